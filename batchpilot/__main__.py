@@ -1,0 +1,3 @@
+from batchpilot.cli import main
+
+raise SystemExit(main())

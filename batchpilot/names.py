@@ -1,0 +1,85 @@
+"""Names shared by the server and the operator. Dependency-free on purpose: the operator
+imports it without pulling in torch.
+
+Each engine knob has one snake_case name (EngineConfig field, admin API key, metric label),
+one CLI flag derived from it, and one camelCase CRD field.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    crd_field: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+MAX_MODEL_LEN = Knob("max_model_len", "maxModelLen")
+MAX_NUM_SEQS = Knob("max_num_seqs", "maxNumSeqs")
+MAX_NUM_BATCHED_TOKENS = Knob("max_num_batched_tokens", "maxNumBatchedTokens")
+KV_CACHE_DTYPE = Knob("kv_cache_dtype", "kvCacheDtype")
+GPU_MEMORY_UTILIZATION = Knob("gpu_memory_utilization", "gpuMemoryUtilization")
+BLOCK_SIZE = Knob("block_size", "blockSize")
+PREEMPTION_MODE = Knob("preemption_mode", "preemptionMode")
+ENABLE_CHUNKED_PREFILL = Knob("enable_chunked_prefill", "enableChunkedPrefill")
+ENABLE_PREFIX_CACHING = Knob("enable_prefix_caching", "enablePrefixCaching")
+# vLLM's --swap-space is in GiB; the engine stores bytes.
+SWAP_SPACE = Knob("swap_space", "swapSpaceGiB")
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+PREEMPTION_MODES = ("swap", "recompute")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# Knobs the admin API changes while the server runs.
+LIVE_KNOBS = (MAX_NUM_SEQS.name,)
+
+ADMIN_TOKEN_ENV = "BATCHPILOT_ADMIN_TOKEN"
+DEFAULT_PORT = 8000
+DEFAULT_SERVED_MODEL_NAME = "smollm2-135m-instruct"
+
+# Prometheus metric names: vLLM's where vLLM has one, so existing dashboards, KEDA
+# triggers and the Gateway API inference extension work unchanged.
+METRIC_LABEL = "model_name"
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+NUM_REQUESTS_SWAPPED = "vllm:num_requests_swapped"
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+CPU_CACHE_USAGE = "vllm:cpu_cache_usage_perc"
+NUM_PREEMPTIONS = "vllm:num_preemptions_total"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
+E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
+REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
+ITERATION_TOKENS = "vllm:iteration_tokens_total"
+SWAPS_OUT = "batchpilot:swaps_out_total"
+SWAPS_IN = "batchpilot:swaps_in_total"
+MAX_NUM_SEQS_METRIC = "batchpilot:max_num_seqs"
+KV_CACHE_INFO = "batchpilot:kv_cache_info"
+BATCH_SIZE = "batchpilot:batch_size"
+
+ALL_METRICS = (
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+    NUM_REQUESTS_SWAPPED,
+    KV_CACHE_USAGE,
+    CPU_CACHE_USAGE,
+    NUM_PREEMPTIONS,
+    PROMPT_TOKENS,
+    GENERATION_TOKENS,
+    TIME_TO_FIRST_TOKEN,
+    INTER_TOKEN_LATENCY,
+    E2E_REQUEST_LATENCY,
+    REQUEST_QUEUE_TIME,
+    ITERATION_TOKENS,
+    SWAPS_OUT,
+    SWAPS_IN,
+    MAX_NUM_SEQS_METRIC,
+    KV_CACHE_INFO,
+    BATCH_SIZE,
+)

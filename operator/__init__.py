@@ -1,0 +1,1 @@
+"""batchpilot.operator: the Kopf operator that reconciles InferenceService resources."""

@@ -1,0 +1,1 @@
+"""The HTTP layer: FastAPI app, OpenAI protocol, metrics and admin API."""

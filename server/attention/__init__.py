@@ -1,0 +1,1 @@
+"""Paged attention: a reference implementation in torch for CPU and CUDA."""

@@ -1,0 +1,1 @@
+"""Benchmarks: offline comparison, online load generator and sweeps."""

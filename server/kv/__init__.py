@@ -1,0 +1,1 @@
+"""Paged KV cache: block pool, swap space and the per-layer KV tensors."""

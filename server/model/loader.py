@@ -1,0 +1,94 @@
+"""Resolve a model source and load its weights and tokenizer through transformers.
+
+Sources: None or "bundled", a .gguf file, a transformers model directory (safetensors
+or bin), or "hf://org/name" already present in the local HF cache. Nothing downloads.
+The bundled GGUF takes ~25 s to dequantize, so it is converted once into a
+safetensors directory under the batchpilot cache and loaded from there afterwards.
+"""
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from batchpilot.server.model.bundled import bundled_model_path
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("BATCHPILOT_CACHE", Path.home() / ".cache" / "batchpilot"))
+
+
+def _from_pretrained(source: str, gguf_file: str | None, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, local_files_only=True, dtype=dtype, **kwargs
+    )
+    return model, tokenizer
+
+
+def _converted_bundled_dir() -> Path:
+    import torch
+
+    gguf = bundled_model_path()
+    target = cache_root() / "models" / f"{gguf.stem}-{gguf.stat().st_size}"
+    if (target / "config.json").is_file():
+        return target
+    model, tokenizer = _from_pretrained(str(gguf.parent), gguf.name, torch.float32)
+    model.config.quantization_config = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process converted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_source(model: str | None) -> tuple[str, str | None]:
+    """-> (directory or HF id, gguf file name or None)."""
+    if model in (None, "", "bundled"):
+        return str(_converted_bundled_dir()), None
+    if model.startswith("hf://"):
+        return model.removeprefix("hf://"), None
+    path = Path(model)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"model file {path} does not exist")
+        return str(path.parent), path.name
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {model!r} is neither a directory, a .gguf file, 'bundled' nor hf://org/name"
+        )
+    return str(path), None
+
+
+def check_supported(config) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        archs = getattr(config, "architectures", None)
+        raise UnsupportedModelError(
+            f"unsupported architecture {model_type!r} ({archs}); batchpilot runs "
+            f"Llama-family decoders: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def load_hf_model(model: str | None, dtype):
+    """-> (transformers model in eval mode, tokenizer)."""
+    from transformers import AutoConfig
+
+    source, gguf_file = resolve_source(model)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    check_supported(AutoConfig.from_pretrained(source, local_files_only=True, **kwargs))
+    hf_model, tokenizer = _from_pretrained(source, gguf_file, dtype)
+    return hf_model.eval(), tokenizer
