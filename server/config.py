@@ -53,7 +53,7 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
             (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory must be > 0"),
             (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
-        ]  # fmt: skip
+        ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
@@ -95,7 +95,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig.__dataclass_fields__
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF model dir, .gguf file, hf://org/name "
-                   "(pre-cached) or 'bundled' (default: bundled SmolLM2-135M-Instruct)")  # fmt: skip
+                   "(pre-cached) or 'bundled' (default: bundled SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=names.DTYPES)
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     g.add_argument(names.MAX_MODEL_LEN.flag, type=int, default=None)
@@ -106,13 +106,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(names.GPU_MEMORY_UTILIZATION.flag, type=float, default=0.9)
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV cache size, e.g. 2GiB (CPU default 1GiB; on CUDA overrides "
-                   "--gpu-memory-utilization)")  # fmt: skip
+                   "--gpu-memory-utilization)")
     g.add_argument(names.SWAP_SPACE.flag, type=float, default=4.0, help="CPU swap space, GiB")
     g.add_argument(names.PREEMPTION_MODE.flag, default="swap", choices=names.PREEMPTION_MODES)
     g.add_argument(names.ENABLE_CHUNKED_PREFILL.flag, default=True,
-                   action=argparse.BooleanOptionalAction)  # fmt: skip
+                   action=argparse.BooleanOptionalAction)
     g.add_argument(names.ENABLE_PREFIX_CACHING.flag, default=True,
-                   action=argparse.BooleanOptionalAction)  # fmt: skip
+                   action=argparse.BooleanOptionalAction)
     g.add_argument("--scheduling-policy", default="continuous", choices=("continuous", "static"))
     g.add_argument("--seed", type=int, default=0)
 

@@ -43,7 +43,10 @@ def _converted_bundled_dir() -> Path:
     if (target / "config.json").is_file():
         return target
     model, tokenizer = _from_pretrained(str(gguf.parent), gguf.name, torch.float32)
-    model.config.quantization_config = None
+    # The weights are already dequantized; drop the GGUF marker so they save as plain safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     model.save_pretrained(tmp)

@@ -1,0 +1,107 @@
+"""Sequence-level KV bookkeeping over the block pool: prefix matching, slot allocation,
+hash registration, freeing and swap mappings. No tensors here; the scheduler decides
+and kv/cache.py copies."""
+
+from batchpilot.server.kv.block_pool import BlockPool, SwapSpace, chain_hash
+from batchpilot.server.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, swap: SwapSpace, block_size: int):
+        self.pool = pool
+        self.swap = swap
+        self.block_size = block_size
+        self.watermark_blocks = max(1, pool.num_blocks // 100)
+
+    def blocks_to_add(self, seq: Sequence, num_new_tokens: int) -> int:
+        needed = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        return max(0, needed - len(seq.block_table))
+
+    def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Cached blocks covering the longest cached prefix, leaving at least one token
+        to compute so the step has a position to sample from."""
+        blocks, hashes, parent = [], [], None
+        bs = self.block_size
+        for i in range((seq.num_tokens - 1) // bs):
+            h = chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes
+
+    def can_admit(self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int) -> bool:
+        total = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        fresh = total - len(cached_blocks)
+        # Reusing a cached block that nobody holds takes it off the free list too.
+        revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
+        return self.pool.num_free - fresh - revived >= self.watermark_blocks
+
+    def admit(self, seq: Sequence, blocks: list[int], hashes: list[int]) -> None:
+        for b in blocks:
+            self.pool.acquire(b)
+        seq.block_table = list(blocks)
+        seq.block_hashes = list(hashes)
+        seq.num_computed_tokens = len(blocks) * self.block_size
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        n = self.blocks_to_add(seq, num_new_tokens)
+        if n > self.pool.num_free:
+            return False
+        seq.block_table.extend(self.pool.allocate() for _ in range(n))
+        return True
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Hash the blocks that became full and computed in the last step."""
+        bs = self.block_size
+        full = seq.num_computed_tokens // bs
+        for i in range(len(seq.block_hashes), full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            seq.block_hashes.append(h)
+            self.pool.register(seq.block_table[i], h)
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks first, so they are evicted before the shared prefix blocks.
+        for b in reversed(seq.block_table):
+            self.pool.release(b)
+        seq.block_table = []
+
+    def reset_for_recompute(self, seq: Sequence) -> None:
+        self.free(seq)
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.block_table) <= self.swap.num_free
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        cpu = self.swap.allocate(len(seq.block_table))
+        mapping = list(zip(seq.block_table, cpu, strict=True))
+        self.free(seq)
+        seq.cpu_block_table = cpu
+        return mapping
+
+    def can_swap_in(self, seq: Sequence) -> bool:
+        # Room for the swapped blocks plus the next decode token.
+        return len(seq.cpu_block_table) + 1 <= self.pool.num_free - self.watermark_blocks
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        gpu = [self.pool.allocate() for _ in seq.cpu_block_table]
+        mapping = list(zip(seq.cpu_block_table, gpu, strict=True))
+        self.swap.release(seq.cpu_block_table)
+        seq.cpu_block_table = []
+        seq.block_table = gpu
+        for b, h in zip(gpu, seq.block_hashes, strict=False):
+            self.pool.register(b, h)
+        return mapping
+
+    def free_swapped(self, seq: Sequence) -> None:
+        self.swap.release(seq.cpu_block_table)
+        seq.cpu_block_table = []

@@ -1,0 +1,65 @@
+"""LLM: the offline API, shaped like vLLM's."""
+
+from tqdm import tqdm
+
+from batchpilot.server.config import EngineConfig
+from batchpilot.server.engine import LLMEngine
+from batchpilot.server.outputs import RequestOutput
+from batchpilot.server.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        order: list[tuple[int, int]] = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            if isinstance(prompt, dict):
+                prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
+            for j in range(p.n):
+                sub = p if p.n == 1 or p.seed is None else _with_seed(p, p.seed + j)
+                self.engine.add_request(f"offline-{i}-{j}", prompt, sub)
+                order.append((i, j))
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(order), desc="generate", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return _merge(finished, order, len(prompts))
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    fields = {k: v for k, v in vars(params).items() if k != "stop_strings"}
+    return SamplingParams(**{**fields, "seed": seed})
+
+
+def _merge(finished: dict[str, RequestOutput], order, num_prompts: int) -> list[RequestOutput]:
+    results: list[RequestOutput | None] = [None] * num_prompts
+    for i, j in order:
+        out = finished[f"offline-{i}-{j}"]
+        out.outputs[0].index = j
+        if results[i] is None:
+            out.request_id = str(i)
+            results[i] = out
+        else:
+            results[i].outputs.append(out.outputs[0])
+    return results

@@ -1,0 +1,163 @@
+"""One scheduling decision per step.
+
+Order of service: swapped sequences come back first, then running sequences keep
+going (decodes before prefill chunks, so a long prompt cannot stall them), then
+waiting requests are admitted FCFS while `max_num_seqs`, the token budget
+`max_num_batched_tokens` and free blocks allow. When blocks run out, the newest
+running sequence is preempted: swapped to CPU, or freed for recompute.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from batchpilot.server.config import EngineConfig
+from batchpilot.server.kv.manager import KVCacheManager
+from batchpilot.server.sequence import Sequence, Status
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, new tokens)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+@dataclass
+class SchedulerCounters:
+    num_preemptions: int = 0
+    num_swaps_out: int = 0
+    num_swaps_in: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up at admission
+    prefix_cache_hits: int = 0  # of those, tokens found in cached blocks
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.counters = SchedulerCounters()
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status == Status.SWAPPED:
+            self.swapped.remove(seq)
+            self.kv.free_swapped(seq)
+        elif seq.status in (Status.WAITING, Status.PREEMPTED):
+            self.waiting.remove(seq)
+            self.kv.free(seq)
+        elif seq.status == Status.RUNNING:
+            self.running.remove(seq)
+            self.kv.free(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._swap_in(out, budget)
+        budget = self._schedule_running(out, budget, decodes=True)
+        budget = self._schedule_running(out, budget, decodes=False)
+        if not self.swapped and self._may_admit():
+            self._admit(out, budget)
+        return out
+
+    def _may_admit(self) -> bool:
+        if self.config.scheduling_policy == "static":
+            return not self.running
+        return True
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        while (self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and self.kv.can_swap_in(self.swapped[0])):
+            seq = self.swapped.popleft()
+            out.swap_in.extend(self.kv.swap_in(seq))
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self.counters.num_swaps_in += 1
+        return budget
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, decodes: bool) -> int:
+        for seq in list(self.running):
+            if seq.status != Status.RUNNING or seq.is_prefill == decodes:
+                continue
+            if budget <= 0:
+                break
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.config.enable_chunked_prefill and n < seq.num_uncomputed_tokens:
+                continue
+            if not self._reserve(seq, n, out):
+                continue
+            out.scheduled.append((seq, n))
+            budget -= n
+        return budget
+
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Find blocks for n new tokens of seq, preempting the newest others if needed.
+        False when seq itself had to be preempted."""
+        while not self.kv.allocate_slots(seq, n):
+            victim = self.running[-1]
+            if victim is seq:
+                self._preempt(seq, out)
+                return False
+            self._preempt(victim, out)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        if seq in (s for s, _ in out.scheduled):
+            out.scheduled = [(s, n) for s, n in out.scheduled if s is not seq]
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        out.preempted.append(seq)
+        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(seq):
+            out.swap_out.extend(self.kv.swap_out(seq))
+            seq.status = Status.SWAPPED
+            self.swapped.append(seq)
+            self.counters.num_swaps_out += 1
+        else:
+            self.kv.reset_for_recompute(seq)
+            seq.status = Status.PREEMPTED
+            self.waiting.appendleft(seq)
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            blocks, hashes = self.kv.match_prefix(seq)
+            cached_tokens = len(blocks) * self.kv.block_size
+            remaining = seq.num_tokens - cached_tokens
+            n = min(remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                break
+            if not self._can_admit(seq, blocks, cached_tokens, n):
+                break
+            self.waiting.popleft()
+            self.counters.prefix_cache_queries += seq.num_tokens
+            self.counters.prefix_cache_hits += cached_tokens
+            self.kv.admit(seq, blocks, hashes)
+            self.kv.allocate_slots(seq, n)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+
+    def _can_admit(self, seq: Sequence, blocks: list[int], cached_tokens: int, n: int) -> bool:
+        saved = seq.num_computed_tokens
+        seq.num_computed_tokens = cached_tokens
+        try:
+            return self.kv.can_admit(seq, blocks, n)
+        finally:
+            seq.num_computed_tokens = saved

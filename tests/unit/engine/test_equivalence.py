@@ -1,0 +1,63 @@
+"""Greedy tokens from the engine equal transformers generate() token for token, under
+batching, chunked prefill, forced preemption (swap and recompute) and prefix hits."""
+
+import pytest
+
+from batchpilot.server import LLM, SamplingParams
+
+from .conftest import PROMPTS
+
+MAX_TOKENS = 24
+BLOCK_BYTES_TINY = 2 * 2 * 16 * 2 * 16 * 4  # K+V, 2 layers, 16 slots, 2 heads, dim 16, fp32
+
+CONDITIONS = {
+    "batched": dict(),
+    "chunked_prefill": dict(max_num_batched_tokens=8),
+    "preempt_swap": dict(kv_cache_memory_bytes=16 * BLOCK_BYTES_TINY, preemption_mode="swap"),
+    "preempt_recompute": dict(
+        kv_cache_memory_bytes=16 * BLOCK_BYTES_TINY, preemption_mode="recompute"
+    ),
+    "preempt_swap_exhausted": dict(
+        kv_cache_memory_bytes=16 * BLOCK_BYTES_TINY, swap_space_bytes=4 * BLOCK_BYTES_TINY
+    ),
+    "no_prefix_cache_no_chunking": dict(enable_prefix_caching=False, enable_chunked_prefill=False),
+}
+
+
+def run(model, prompts, **config):
+    llm = LLM(model, dtype="float32", max_model_len=128, **config)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("condition", list(CONDITIONS))
+def test_greedy_matches_transformers(tiny_model, hf_greedy, condition):
+    llm, outs = run(tiny_model, PROMPTS, **CONDITIONS[condition])
+    for out in outs:
+        assert out.outputs[0].token_ids == hf_greedy(out.prompt_token_ids, MAX_TOKENS)
+        assert out.outputs[0].finish_reason == "length"
+    stats = llm.stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    if condition.startswith("preempt"):
+        assert stats["num_preemptions"] > 0
+    if condition == "preempt_swap":
+        assert stats["num_swaps_out"] > 0 and stats["num_swaps_in"] == stats["num_swaps_out"]
+    if condition == "preempt_recompute":
+        assert stats["num_swaps_out"] == 0
+
+
+def test_prefix_cache_hits_keep_outputs_identical(tiny_model, hf_greedy):
+    shared = "You are a helpful assistant. Answer briefly and precisely. " * 3
+    prompts = [shared + q for q in ("What is AI?", "Name a color.", "Count to three.")]
+    llm, first = run(tiny_model, prompts[:1])
+    hits_before = llm.stats()["prefix_cache_hits"]
+    second = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                  ignore_eos=True), use_tqdm=False)  # fmt: skip
+    shared_blocks = len(llm.get_tokenizer()(shared)["input_ids"]) // 16
+    assert hits_before == 0
+    # The repeated prompt hits all its full blocks but one; the others hit the shared ones.
+    assert llm.stats()["prefix_cache_hits"] >= 16 * (3 * shared_blocks - 1)
+    assert llm.engine.scheduler.counters.num_preemptions == 0
+    for out in first + second:
+        assert out.outputs[0].token_ids == hf_greedy(out.prompt_token_ids, MAX_TOKENS)
+    assert first[0].outputs[0].token_ids == second[0].outputs[0].token_ids
