@@ -10,24 +10,46 @@ from batchpilot.server.config import add_engine_args
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     g = parser.add_argument_group("server")
-    g.add_argument("--served-model-name", default=None,
-                   help=f"name clients use (default: {names.DEFAULT_SERVED_MODEL_NAME} for "
-                   "the bundled model, else the model path's last component)")  # fmt: skip
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help=f"name clients use (default: {names.DEFAULT_SERVED_MODEL_NAME} for "
+        "the bundled model, else the model path's last component)",
+    )
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=names.DEFAULT_PORT)
-    g.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
-                   help="require this bearer token on /v1/* (or $VLLM_API_KEY)")  # fmt: skip
-    g.add_argument("--admin-token", default=os.environ.get(names.ADMIN_TOKEN_ENV),
-                   help=f"bearer token for /admin/* (or ${names.ADMIN_TOKEN_ENV}); "
-                   "without one the admin API is disabled")  # fmt: skip
-    g.add_argument("--max-queue-len", type=int, default=1024,
-                   help="waiting requests beyond this get 429 with Retry-After")  # fmt: skip
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for in-flight requests before exiting")  # fmt: skip
-    g.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
-                   help="larger request bodies get 413")  # fmt: skip
-    g.add_argument("--log-stats-interval", type=float, default=10.0,
-                   help="seconds between engine stats log lines (0: off)")  # fmt: skip
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("VLLM_API_KEY"),
+        help="require this bearer token on /v1/* (or $VLLM_API_KEY)",
+    )
+    g.add_argument(
+        "--admin-token",
+        default=os.environ.get(names.ADMIN_TOKEN_ENV),
+        help=f"bearer token for /admin/* (or ${names.ADMIN_TOKEN_ENV}); "
+        "without one the admin API is disabled",
+    )
+    g.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=1024,
+        help="waiting requests beyond this get 429 with Retry-After",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM waits for in-flight requests before exiting",
+    )
+    g.add_argument(
+        "--max-request-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413"
+    )
+    g.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between engine stats log lines (0: off)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

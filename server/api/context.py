@@ -1,0 +1,25 @@
+"""What the routes share: one ServerContext per app, reached through app.state."""
+
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from batchpilot.server.api.lifecycle import Lifecycle
+from batchpilot.server.api.metrics import ServerMetrics
+from batchpilot.server.async_engine import AsyncEngine
+
+
+@dataclass
+class ServerContext:
+    engine: AsyncEngine
+    lifecycle: Lifecycle
+    metrics: ServerMetrics
+    served_model_name: str
+    admin_token: str | None
+    max_queue_len: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def get_context(request: Request) -> ServerContext:
+    return request.app.state.context

@@ -1,0 +1,103 @@
+"""What both generation routes do around the engine: admission (model name, queue bound,
+engine rejections as 400), waiting for a result while watching for the client to leave,
+and a streaming response that aborts its requests however it ends."""
+
+import asyncio
+
+from starlette.responses import StreamingResponse
+
+from batchpilot.server.api.context import ServerContext
+from batchpilot.server.api.errors import APIError, error_body
+from batchpilot.server.api.responses import sse
+from batchpilot.server.async_engine import EngineFailed, EngineNotReady, RequestStream
+
+# Seconds a client told 429 should wait: about the time a CPU engine needs to move a
+# queue slot; short enough that a retrying client keeps the queue fed.
+RETRY_AFTER_SECONDS = 1
+
+
+def check_model(ctx: ServerContext, requested: str | None) -> str:
+    if requested is not None and requested != ctx.served_model_name:
+        raise APIError(400, f"The model `{requested}` does not exist. This server serves "
+                       f"`{ctx.served_model_name}`.", "model")  # fmt: skip
+    return ctx.served_model_name
+
+
+def require_engine(ctx: ServerContext) -> None:
+    if ctx.engine.failure is not None:
+        raise APIError(500, f"The engine failed and cannot serve requests: {ctx.engine.failure!r}")
+    if not ctx.engine.is_loaded:
+        raise APIError(503, "The model is still loading", headers={"Retry-After": "5"})
+
+
+async def start(ctx: ServerContext, requests: list[tuple]) -> RequestStream:
+    """Hand the engine requests over; the HTTP errors for everything that can refuse them."""
+    engine = ctx.engine
+    require_engine(ctx)
+    if engine.num_waiting >= ctx.max_queue_len:
+        raise APIError(429, f"Too many requests waiting ({engine.num_waiting}; the limit is "
+                       f"{ctx.max_queue_len}). Retry later.",
+                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)})  # fmt: skip
+    try:
+        return await engine.submit(requests)
+    except EngineNotReady as e:
+        raise APIError(503, str(e)) from e
+    except EngineFailed as e:
+        raise APIError(500, str(e)) from e
+    except ValueError as e:  # RequestRejected and SamplingParams checks
+        raise APIError(400, str(e)) from e
+
+
+async def _until_disconnected(receive) -> None:
+    # After the body has been read, the server's next message is http.disconnect: sent when
+    # the client goes away, or once the response is complete.
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(stream: RequestStream, receive) -> dict | None:
+    """request id -> final RequestOutput, or None if the client disconnected first; the
+    unfinished requests are aborted then, freeing their KV blocks at the next step."""
+    final: dict = {}
+
+    async def consume():
+        async for outs in stream:
+            for out in outs:
+                final[out.request_id] = out
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_until_disconnected(receive))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        consumer.cancel()
+        stream.close()
+    if not consumer.cancelled() and consumer.done():
+        try:
+            consumer.result()
+        except EngineFailed as e:
+            raise APIError(503, str(e)) from e
+        return final
+    return None
+
+
+class AbortingStreamingResponse(StreamingResponse):
+    """Closes the stream (aborting what is unfinished) however the response ends: completed,
+    client disconnect, or cancellation at shutdown."""
+
+    def __init__(self, content, stream: RequestStream):
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.close()
+
+
+def stream_error_event(error: Exception) -> str:
+    """An error after the 200 header went out: sent as an SSE event, as vLLM does."""
+    return sse(error_body(503 if isinstance(error, EngineFailed) else 500, str(error)))

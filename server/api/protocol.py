@@ -1,0 +1,159 @@
+"""OpenAI request bodies for /v1/completions and /v1/chat/completions, and their mapping to
+SamplingParams.
+
+Unknown fields are ignored, as OpenAI and vLLM do, so newer clients keep working. Fields
+that would change the result but that this server does not implement are rejected with a
+400 instead of being silently ignored.
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from batchpilot.server.api.errors import APIError
+
+# Bounds that keep a single request from asking for absurd work; the 413 body limit and
+# max_model_len bound the rest.
+MAX_N = 128
+MAX_STOP_SEQUENCES = 16
+INT64_MAX = (1 << 63) - 1
+
+PositiveInt = Annotated[int, Field(ge=1)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by both endpoints. vLLM's extensions (top_k, ignore_eos,
+    stop_token_ids) are accepted at the top level, as the openai client's extra_body sends
+    them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    seed: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    ignore_eos: bool = False
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _reject_unimplemented(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported by this server; omit it or send 0")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server")
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (disabled) or at least 1, got 0")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    # A string, a list of strings, a list of token ids, or a list of token-id lists: one
+    # prompt or a batch, as OpenAI defines it.
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _reject_unimplemented_completion(self):
+        if self.logprobs is not None:
+            raise ValueError("logprobs is not supported by this server")
+        if self.echo:
+            raise ValueError("echo is not supported by this server")
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported by this server; use n")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _reject_unimplemented_chat(self):
+        if self.logprobs or self.top_logprobs:
+            raise ValueError("logprobs is not supported by this server")
+        if self.tools:
+            raise ValueError("tools are not supported by this server")
+        return self
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def sampling_params(request: SamplingFields, max_tokens: int, index: int):
+    """The SamplingParams for choice `index` of `request`. With a seed, choice i uses
+    seed + i so that n choices differ but each stays reproducible."""
+    from batchpilot.server.sampling_params import SamplingParams
+
+    seed = None if request.seed is None else (request.seed + index) % (INT64_MAX + 1)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=-1 if request.top_k is None else request.top_k,
+            seed=seed,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos,
+        )
+    except ValueError as e:
+        raise APIError(400, str(e)) from e

@@ -1,0 +1,96 @@
+"""Response bodies and SSE chunks in OpenAI's shapes. Pure functions of their inputs: plain
+dicts serialized with json, because a streaming server builds one chunk per choice per
+step and pydantic's per-object overhead would show up there."""
+
+import json
+import time
+import uuid
+
+DONE = "data: [DONE]\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
+            "stop_reason": None}  # fmt: skip
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None) -> dict:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None,
+        "finish_reason": finish_reason,
+    }
+
+
+def chat_delta_choice(index: int, delta: dict, finish_reason: str | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+def completion_body(request_id: str, model: str, choices: list[dict], usage_: dict,
+                    created: int | None = None) -> dict:  # fmt: skip
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created or int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+    }
+
+
+def chat_body(request_id: str, model: str, choices: list[dict], usage_: dict,
+              created: int | None = None) -> dict:  # fmt: skip
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created or int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+    }
+
+
+def chunk(kind: str, request_id: str, model: str, created: int, choices: list[dict],
+          usage_: dict | None = None, with_usage_field: bool = False) -> dict:  # fmt: skip
+    """One streamed chunk. kind: "text_completion" or "chat.completion.chunk". With
+    stream_options.include_usage every chunk carries "usage": null and the last one carries
+    the totals with no choices, as OpenAI sends them."""
+    body = {"id": request_id, "object": kind, "created": created, "model": model,
+            "choices": choices}  # fmt: skip
+    if with_usage_field or usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def model_list(model: str, max_model_len: int, created: int) -> dict:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model,
+                "object": "model",
+                "created": created,
+                "owned_by": "batchpilot",
+                "root": model,
+                "parent": None,
+                "max_model_len": max_model_len,
+            }
+        ],
+    }

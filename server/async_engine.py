@@ -1,0 +1,295 @@
+"""AsyncEngine: the LLMEngine behind asyncio, for the HTTP server.
+
+The engine is not thread-safe, so exactly one thread (started here) builds it and calls
+it. The event loop only appends to hand-off lists under a lock; the engine thread drains
+them between steps, runs one step, and hands everything that step produced back with a
+single `loop.call_soon_threadsafe` -- once per step, not per token, so the event loop does
+not fight the engine thread for the GIL on every token, and a model step never blocks
+the event loop.
+"""
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class EngineNotReady(RuntimeError):
+    pass
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class StepResult:
+    """Everything one pass of the engine thread produced, delivered to the loop at once."""
+
+    outputs: list  # RequestOutput of this step
+    stats: dict  # engine.stats() after the step
+    stepped: bool  # whether engine.step() ran (histograms of step sizes count only those)
+    time: float  # time.monotonic() when the step ended
+    admissions: list = field(default_factory=list)  # (RequestStream, exception or None)
+    aborted: list[str] = field(default_factory=list)
+    call_results: list = field(default_factory=list)  # (future, result, exception or None)
+
+
+class RequestStream:
+    """The engine requests of one HTTP request (n choices, or a batch of prompts).
+
+    Iterating yields, once per engine step, the list of that step's RequestOutputs for
+    these requests, until all have finished. `close()` aborts whatever is unfinished: call
+    it when the client goes away.
+    """
+
+    def __init__(self, owner: "AsyncEngine", request_ids: list[str]):
+        self.request_ids = request_ids
+        self._owner = owner
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._unfinished = set(request_ids)
+        self.admitted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> list:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._unfinished.clear()
+            raise item
+        for out in item:
+            if out.finished:
+                self._unfinished.discard(out.request_id)
+        return item
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def close(self) -> None:
+        if self._unfinished:
+            self._owner.abort(sorted(self._unfinished))
+            self._unfinished.clear()
+
+
+class AsyncEngine:
+    def __init__(
+        self, make_engine: Callable[[], Any], on_step: Callable[[StepResult], None] | None = None
+    ):
+        """make_engine runs on the engine thread, so that the thread that calls the engine
+        is also the one that built it. on_step runs on the event loop after each step."""
+        self._make_engine = make_engine
+        self._on_step = on_step
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._adds: list[tuple[RequestStream, list[tuple[str, Any, Any]], float]] = []
+        self._aborts: list[str] = []
+        self._calls: list[tuple[asyncio.Future, Callable[[Any], Any]]] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Touched only on the event loop thread.
+        self._streams: dict[str, RequestStream] = {}
+        self._num_submitted_not_added = 0
+        self.loaded: asyncio.Future | None = None
+        self.stats: dict = {}
+        self.config = None  # the engine's resolved EngineConfig, once loaded
+        self.tokenizer = None
+        self.failure: BaseException | None = None
+
+    # ---- event loop side -------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.loaded = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_loaded(self) -> bool:
+        return self.loaded is not None and self.loaded.done() and not self.loaded.exception()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: the engine's waiting queue plus those handed over but
+        not yet picked up by the engine thread."""
+        return self.stats.get("num_waiting", 0) + self._num_submitted_not_added
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def submit(self, requests: list[tuple[str, Any, Any]]) -> RequestStream:
+        """requests: (request_id, prompt or token ids, SamplingParams). Returns once the
+        engine accepted them all; raises the engine's rejection (RequestRejected, a
+        ValueError) if it refused any, in which case none of them runs."""
+        if self.failure is not None:
+            raise EngineFailed(f"the engine failed: {self.failure!r}")
+        if not self.is_loaded:
+            raise EngineNotReady("the engine is still loading")
+        stream = RequestStream(self, [rid for rid, _, _ in requests])
+        for rid in stream.request_ids:
+            self._streams[rid] = stream
+        self._num_submitted_not_added += len(requests)
+        with self._lock:
+            self._adds.append((stream, requests, time.monotonic()))
+        self._wake.set()
+        try:
+            await asyncio.shield(stream.admitted)
+        except asyncio.CancelledError:
+            stream.close()
+            raise
+        except BaseException:
+            self._forget(stream.request_ids)
+            raise
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._forget(request_ids)
+        with self._lock:
+            self._aborts.extend(request_ids)
+        self._wake.set()
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(engine) on the engine thread between two steps and return its result."""
+        if not self.is_loaded:
+            raise EngineNotReady("the engine is still loading")
+        future = self._loop.create_future()
+        with self._lock:
+            self._calls.append((future, fn))
+        self._wake.set()
+        return await future
+
+    async def shutdown(self) -> None:
+        """Abort whatever still runs and stop the engine thread."""
+        self._end_streams(EngineFailed("the server shut down before this request finished"))
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    def _forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._streams.pop(rid, None)
+
+    def _deliver(self, result: StepResult) -> None:
+        for stream, error in result.admissions:
+            self._num_submitted_not_added -= len(stream.request_ids)
+            if not stream.admitted.done():
+                if error is None:
+                    stream.admitted.set_result(None)
+                else:
+                    stream.admitted.set_exception(error)
+        for future, value, error in result.call_results:
+            if future.done():
+                continue
+            if error is None:
+                future.set_result(value)
+            else:
+                future.set_exception(error)
+        self.stats = result.stats
+        by_stream: dict[int, tuple[RequestStream, list]] = {}
+        for out in result.outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted by its client in the meantime
+            by_stream.setdefault(id(stream), (stream, []))[1].append(out)
+            if out.finished:
+                del self._streams[out.request_id]
+        for stream, outs in by_stream.values():
+            stream._queue.put_nowait(outs)
+        if self._on_step is not None:
+            self._on_step(result)
+
+    def _loaded(self, engine_config, tokenizer, stats: dict) -> None:
+        self.config = engine_config
+        self.tokenizer = tokenizer
+        self.stats = stats
+        self.loaded.set_result(None)
+
+    def _failed(self, error: BaseException, loading: bool) -> None:
+        self.failure = error
+        if loading:
+            self.loaded.set_exception(error)
+            self.loaded.exception()  # marks it retrieved: the caller of serve() reports it
+        self._end_streams(EngineFailed(f"the engine failed: {error!r}"))
+
+    def _end_streams(self, error: EngineFailed) -> None:
+        request_ids = list(self._streams)
+        for stream in set(self._streams.values()):
+            if not stream.admitted.done():
+                stream.admitted.set_exception(error)
+            stream._queue.put_nowait(error)
+        self.abort(request_ids)
+
+    # ---- engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        loop = self._loop
+        try:
+            engine = self._make_engine()
+            loop.call_soon_threadsafe(self._loaded, engine.config, engine.tokenizer, engine.stats())
+        except BaseException as e:
+            logger.exception("loading the engine failed")
+            loop.call_soon_threadsafe(self._failed, e, True)
+            return
+        try:
+            self._serve(engine)
+        except BaseException as e:
+            logger.exception("the engine failed; no further requests can be served")
+            loop.call_soon_threadsafe(self._failed, e, False)
+
+    def _serve(self, engine) -> None:
+        loop = self._loop
+        while True:
+            with self._lock:
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+                calls, self._calls = self._calls, []
+                self._wake.clear()
+            if not (adds or aborts or calls) and not engine.has_unfinished_requests():
+                if self._stopping:
+                    return
+                self._wake.wait()
+                continue
+            admissions = [
+                (stream, self._add(engine, requests, arrival)) for stream, requests, arrival in adds
+            ]
+            for rid in aborts:
+                engine.abort_request(rid)
+            call_results = [self._call(engine, future, fn) for future, fn in calls]
+            stepped = engine.has_unfinished_requests()
+            outputs = engine.step() if stepped else []
+            result = StepResult(
+                outputs, engine.stats(), stepped, time.monotonic(), admissions, aborts, call_results
+            )
+            loop.call_soon_threadsafe(self._deliver, result)
+
+    @staticmethod
+    def _add(engine, requests, arrival: float) -> BaseException | None:
+        added = []
+        try:
+            for rid, prompt, params in requests:
+                engine.add_request(rid, prompt, params, arrival_time=arrival)
+                added.append(rid)
+        except Exception as e:
+            # All or nothing: a half-admitted request would return fewer choices than asked.
+            for rid in added:
+                engine.abort_request(rid)
+            return e
+        return None
+
+    @staticmethod
+    def _call(engine, future, fn):
+        try:
+            return future, fn(engine), None
+        except Exception as e:
+            return future, None, e
