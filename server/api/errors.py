@@ -68,12 +68,14 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     # loc is ("body", "field", ...): the field path is what a client can act on.
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return f"Malformed JSON in the request body: {first.get('msg')}", None
     message = first.get("msg", "Invalid value")
-    if param:
-        message = f"{param}: {message}"
+    if loc:
+        message = f"{'.'.join(loc)}: {message}"
+    # The top-level field is what OpenAI names as param; deeper parts (list positions, the
+    # union member pydantic tried) stay in the message.
+    param = loc[0] if loc else None
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error(s))"
     return message, param

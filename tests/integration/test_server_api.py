@@ -1,0 +1,336 @@
+"""`batchpilot serve` on the tiny random Llama, driven over 127.0.0.1 by the openai client:
+completions and chat, streamed and not, continuous batching across HTTP requests, bad
+input, the API key, the admin API and /metrics."""
+
+import asyncio
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+from test_server_harness import TINY_FLAGS, ServerProcess, wait_until
+
+from batchpilot import names
+
+API_KEY = "sk-test-api-key-7f3a"
+ADMIN_TOKEN = "admin-token-91c2"
+MODEL = "tiny-llama"
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from batchpilot.server.model.tiny import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_path, tmp_path_factory):
+    args = ["--model", tiny_path, "--served-model-name", MODEL, *TINY_FLAGS,
+            "--api-key", API_KEY, "--admin-token", ADMIN_TOKEN, "--max-num-seqs", "64",
+            "--max-request-body-bytes", "65536"]  # fmt: skip
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    proc = ServerProcess(args, log, api_key=API_KEY).start()
+    yield proc
+    proc.stop()
+    assert API_KEY not in proc.log() and ADMIN_TOKEN not in proc.log(), "a secret was logged"
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_path):
+    from batchpilot.server import LLM
+
+    return LLM(model=tiny_path, dtype="float32", max_model_len=MAX_MODEL_LEN,
+               kv_cache_memory_bytes=16 << 20, swap_space_bytes=1 << 20)  # fmt: skip
+
+
+def greedy(offline, prompts, max_tokens):
+    from batchpilot.server import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].text for o in offline.generate(prompts, params, use_tqdm=False)]
+
+
+def test_completion_matches_offline_greedy_with_usage(server, offline):
+    client = server.client()
+    out = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                    max_tokens=12, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    prompt_ids = offline.get_tokenizer()("The capital of France is")["input_ids"]
+    assert out.choices[0].text == greedy(offline, ["The capital of France is"], 12)[0]
+    assert out.choices[0].finish_reason == "length"
+    assert out.model == MODEL and out.object == "text_completion"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt_ids), 12)
+    assert out.usage.total_tokens == len(prompt_ids) + 12
+
+
+def test_streamed_completion_equals_unstreamed_and_reports_usage(server):
+    client = server.client()
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_streamed_and_not(server, offline):
+    client = server.client()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                           temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    ids = offline.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == greedy(offline, [ids], 8)[0]
+    assert whole.usage.prompt_tokens == len(ids) and whole.usage.completion_tokens == 8
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                            temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks)
+        == whole.choices[0].message.content
+    )
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_choices_with_seed_are_reproducible(server):
+    client = server.client()
+    kwargs = dict(model=MODEL, prompt="Pick a word:", max_tokens=6, temperature=1.0, n=3,
+                  seed=1234, extra_body={"ignore_eos": True})  # fmt: skip
+    first, second = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert len({c.text for c in first.choices}) > 1, (
+        "seed + i must give the choices different streams"
+    )
+    assert first.usage.completion_tokens == 18
+
+
+def test_stop_string_truncates_and_reports_stop(server, offline):
+    full = greedy(offline, ["Hello there"], 24)[0]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assume_found = full.index(stop)
+    out = server.client().completions.create(model=MODEL, prompt="Hello there", max_tokens=24,
+                                             temperature=0, stop=[stop],
+                                             extra_body={"ignore_eos": True})  # fmt: skip
+    assert out.choices[0].text == full[:assume_found]
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_32_concurrent_streams_complete_with_offline_greedy_text(server, offline):
+    prompts = [f"Request number {i} says" for i in range(32)]
+    expected = greedy(offline, prompts, 16)
+
+    async def one(client, prompt):
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=16,
+                                                 temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True})  # fmt: skip
+        parts, reasons = [], []
+        async for chunk in stream:
+            parts.append(chunk.choices[0].text)
+            reasons.append(chunk.choices[0].finish_reason)
+        return "".join(parts), reasons[-1]
+
+    async def all_of_them():
+        async with server.async_client() as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    batch_before = server.metric(names.BATCH_SIZE + "_sum")
+    steps_before = server.metric(names.BATCH_SIZE + "_count")
+    results = asyncio.run(all_of_them())
+    assert [text for text, _ in results] == expected
+    assert all(reason == "length" for _, reason in results)
+    # Continuous batching across HTTP requests: steps ran many sequences at once.
+    steps = server.metric(names.BATCH_SIZE + "_count") - steps_before
+    mean_batch = (server.metric(names.BATCH_SIZE + "_sum") - batch_before) / steps
+    assert mean_batch > 4, f"mean batch size {mean_batch:.1f}: requests were not batched"
+
+
+def test_api_key_guards_v1_only(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.get(f"{server.url}/v1/models", headers=headers)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == 401 and r.json()["error"]["message"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/ready").status_code == 200
+    assert [m.id for m in server.client().models.list().data] == [MODEL]
+
+
+def long_stream(
+    server, max_tokens: int, results: list, prompt: str = "Keep going"
+) -> threading.Thread:
+    """A streamed request in a thread; appends (text, finish_reason, completion tokens)."""
+
+    def run():
+        stream = server.client().completions.create(
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = list(stream)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        results.append((text, reason, chunks[-1].usage.completion_tokens))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+BAD_BODIES = {
+    "malformed json": (b'{"prompt": "hi", "max_tokens": ', None),
+    "unknown model": ({"model": "gpt-nope", "prompt": "hi"}, "model"),
+    "max_tokens 0": ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    "max_tokens negative": ({"prompt": "hi", "max_tokens": -5}, "max_tokens"),
+    "temperature < 0": ({"prompt": "hi", "temperature": -0.5}, "temperature"),
+    "top_p 0": ({"prompt": "hi", "top_p": 0}, "top_p"),
+    "top_k 0": ({"prompt": "hi", "top_k": 0}, None),
+    "n 0": ({"prompt": "hi", "n": 0}, "n"),
+    "missing prompt": ({"max_tokens": 3}, "prompt"),
+    "prompt wrong type": ({"prompt": {"a": 1}}, "prompt"),
+    "empty stop string": ({"prompt": "hi", "stop": [""]}, None),
+    "token id out of vocab": ({"prompt": [10**9]}, None),
+    "empty prompt": ({"prompt": ""}, None),
+    "logprobs unsupported": ({"prompt": "hi", "logprobs": 2}, None),
+}
+
+
+def post(server, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with server.http() as http:
+        return http.post(path, content=content, headers={"Content-Type": "application/json"})
+
+
+def assert_openai_error(r: httpx.Response, status: int, param=None) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+def test_bad_input_gets_clear_errors_and_running_requests_are_unaffected(server):
+    results: list = []
+    runner = long_stream(server, 200, results)
+    wait_until(lambda: server.metric(names.NUM_REQUESTS_RUNNING) >= 1)
+    for name, (body, param) in BAD_BODIES.items():
+        error = assert_openai_error(post(server, "/v1/completions", body), 400, param)
+        assert name and error["message"]
+    chat_bad = {"messages": [], "max_tokens": 3}
+    assert_openai_error(post(server, "/v1/chat/completions", chat_bad), 400, "messages")
+    chat_bad = {"messages": [{"role": "wizard", "content": "x"}]}
+    assert_openai_error(post(server, "/v1/chat/completions", chat_bad), 400)
+
+    too_long = {"prompt": [5] * (MAX_MODEL_LEN + 10), "max_tokens": 1}
+    error = assert_openai_error(post(server, "/v1/completions", too_long), 400)
+    assert error["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN}")
+    over = {"prompt": [5] * 100, "max_tokens": MAX_MODEL_LEN}
+    error = assert_openai_error(post(server, "/v1/completions", over), 400)
+    assert error["message"] == (
+        f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you "
+        f"requested {100 + MAX_MODEL_LEN} tokens (100 in the messages, {MAX_MODEL_LEN} in the "
+        "completion). Please reduce the length of the messages or completion."
+    )
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        server.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "word " * 600}], max_tokens=4
+        )
+    huge = {"prompt": "x" * 70_000}
+    assert_openai_error(post(server, "/v1/completions", huge), 413)
+
+    runner.join(60)
+    assert results and results[0][1:] == ("length", 200), results
+
+
+def test_oversized_chunked_body_gets_413(server):
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"y" * 8192
+        yield b'"}'
+
+    with server.http() as http:
+        r = http.post(
+            "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}
+        )
+    assert_openai_error(r, 413)
+
+
+def test_admin_api_auth_and_live_max_num_seqs(server):
+    url = f"{server.url}/admin/config"
+    assert_openai_error(httpx.get(url), 401)
+    assert_openai_error(httpx.get(url, headers={"Authorization": "Bearer nope"}), 401)
+    assert_openai_error(httpx.get(url, headers={"Authorization": f"Bearer {API_KEY}"}), 401)
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    config = httpx.get(url, headers=admin).json()
+    assert config["max_num_seqs"] == 64 and config["max_model_len"] == MAX_MODEL_LEN
+    assert_openai_error(httpx.patch(url, json={"max_num_seqs": 0}, headers=admin), 400)
+    assert_openai_error(httpx.patch(url, json={"max_num_seqs": "8"}, headers=admin), 400)
+    error = assert_openai_error(httpx.patch(url, json={"block_size": 8}, headers=admin), 400)
+    assert "max_num_seqs" in error["message"]
+    assert_openai_error(httpx.patch(url, json={"max_num_seqs": 8}), 401)
+
+    # Lowering below the running count lets the running sequences finish.
+    results: list = []
+    runners = [long_stream(server, 120, results, f"stream {i}") for i in range(4)]
+    wait_until(lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 4)
+    patched = httpx.patch(url, json={"max_num_seqs": 2}, headers=admin)
+    assert patched.status_code == 200 and patched.json()["max_num_seqs"] == 2
+    assert server.metric(names.MAX_NUM_SEQS_METRIC, model_name=MODEL) == 2
+    assert httpx.get(url, headers=admin).json()["max_num_seqs"] == 2
+    for t in runners:
+        t.join(120)
+    assert sorted(r[1:] for r in results) == [("length", 120)] * 4
+    patched = httpx.patch(url, json={"max_num_seqs": 64}, headers=admin)
+    assert server.metric(names.MAX_NUM_SEQS_METRIC, model_name=MODEL) == 64
+
+
+def test_metrics_expose_every_name_with_model_label(server):
+    server.client().completions.create(model=MODEL, prompt="metrics", max_tokens=4)
+    samples = server.metrics()
+    for name in names.ALL_METRICS:
+        matching = [k for k in samples if k == name or k.startswith((name + "{", name + "_"))]
+        assert matching, f"{name} missing from /metrics"
+        assert all(f"{names.METRIC_LABEL}={MODEL}" in k for k in matching), matching
+    info = [k for k in samples if k.startswith(names.KV_CACHE_INFO)]
+    assert "block_size=16" in info[0] and "dtype=auto" in info[0]
+    assert samples[f"{names.TIME_TO_FIRST_TOKEN}_count{{model_name={MODEL}}}"] >= 1
+    assert samples[f"{names.E2E_REQUEST_LATENCY}_count{{model_name={MODEL}}}"] >= 1
+    assert samples[f"{names.GENERATION_TOKENS}{{model_name={MODEL}}}"] >= 4
+    assert 0.0 <= samples[f"{names.KV_CACHE_USAGE}{{model_name={MODEL}}}"] <= 1.0
+
+
+def idle_and_freed(server) -> bool:
+    return (server.metric(names.NUM_REQUESTS_RUNNING) == 0
+            and server.metric(names.KV_CACHE_USAGE) == 0.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streaming", "non-streaming"])
+def test_client_disconnect_aborts_and_frees_blocks(server, streamed):
+    wait_until(lambda: idle_and_freed(server))
+    generated_before = server.metric(names.GENERATION_TOKENS)
+    body = {"prompt": "never mind", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": streamed}  # fmt: skip
+    with server.http() as http:
+        if streamed:
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(line for line in lines if line.startswith("data:"))
+                assert server.metric(names.KV_CACHE_USAGE) > 0
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/v1/completions", json=body, timeout=0.5)
+    wait_until(lambda: idle_and_freed(server), timeout=10)
+    generated = server.metric(names.GENERATION_TOKENS) - generated_before
+    assert generated < 400, "the request ran to completion instead of being aborted"
