@@ -1,0 +1,27 @@
+"""`batchpilot bench {offline,serve,sweep,interference}`."""
+
+import argparse
+import importlib
+
+SUBCOMMANDS = {
+    "offline": ("batchpilot.server.bench.offline",
+                "batchpilot (continuous, static) against transformers peers, one process"),
+    "serve": ("batchpilot.server.bench.online",
+              "online load generator against any OpenAI-compatible server"),
+    "sweep": ("batchpilot.server.bench.sweep",
+              "start servers over concurrencies, continuous vs static, and plot the curves"),
+    "interference": ("batchpilot.server.bench.interference",
+                     "decoders' inter-token latency while a long prompt prefills"),
+}  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    sub.required = True
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    return importlib.import_module(SUBCOMMANDS[args.bench_command][0]).run(args)

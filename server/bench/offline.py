@@ -1,0 +1,153 @@
+"""`batchpilot bench offline`: one fixed workload through batchpilot (continuous and static)
+and three transformers peers, one after another in one process, as ratios of tok/s."""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from batchpilot.server.bench.report import table
+from batchpilot.server.bench.systems import SystemRun, TokenRequest
+from batchpilot.server.bench.workload import (
+    DEFAULT_OUTPUT_LENS,
+    SEED_REPEATS,
+    make_workload,
+    parse_int_list,
+)
+
+SYSTEMS = ("continuous", "static", "hf-sequential", "hf-static", "hf-generate-batch")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model dir or .gguf (default: bundled)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--concurrency", type=int, default=32,
+                        help="batchpilot --max-num-seqs and every peer's batch size")  # fmt: skip
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--output-lens", type=parse_int_list, default=DEFAULT_OUTPUT_LENS)
+    parser.add_argument("--prompt-repeats", type=parse_int_list, default=SEED_REPEATS)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sequential-num-prompts", type=int, default=8,
+                        help="sequential generate() runs this prefix of the workload only; "
+                        "its tok/s is still comparable")  # fmt: skip
+    parser.add_argument("--systems", type=lambda s: tuple(s.split(",")), default=SYSTEMS,
+                        help=f"comma-separated subset of {','.join(SYSTEMS)}")  # fmt: skip
+    parser.add_argument("--efficiency-steps", type=int, default=16,
+                        help="decode steps timed for engine efficiency (0: skip)")  # fmt: skip
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--result-dir", type=Path, default=Path("bench-results"))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from batchpilot.server.bench import efficiency, engine_runs, hf_baselines
+    from batchpilot.server.model.loader import load_hf_model
+
+    unknown = set(args.systems) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    hf_model, tokenizer = load_hf_model(args.model, getattr(torch, args.dtype))
+    workload = make_workload(args.num_prompts, args.seed, args.output_lens, args.prompt_repeats)
+    requests = [TokenRequest(tokenizer(w.prompt)["input_ids"], w.output_len) for w in workload]
+    # A short pass over one batch of the real prompts brings every system's first-call costs
+    # (allocator growth, kernel selection for these shapes) out of the timed run.
+    warmup = [TokenRequest(r.prompt_token_ids, 4) for r in requests[: args.concurrency]]
+    engine_kwargs = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.concurrency,
+                         max_model_len=args.max_model_len, seed=args.seed)  # fmt: skip
+    sequential = requests[: args.sequential_num_prompts]
+    plan = {
+        "continuous": lambda: engine_runs.batchpilot_generate(
+            requests, "continuous", engine_kwargs, warmup
+        ),
+        "static": lambda: engine_runs.batchpilot_generate(
+            requests, "static", engine_kwargs, warmup
+        ),
+        "hf-sequential": lambda: hf_baselines.hf_sequential(
+            hf_model, tokenizer, sequential, warmup[:1]
+        ),
+        "hf-static": lambda: hf_baselines.hf_static(
+            hf_model, tokenizer, requests, args.concurrency, warmup
+        ),
+    }
+    runs: list[SystemRun] = []
+    for name in SYSTEMS[:4]:
+        if name in args.systems:
+            print(f"running {name} ...", flush=True)
+            runs.append(plan[name]())
+    eff = None
+    if args.efficiency_steps > 0:
+        # Before generate_batch, which switches the transformers model's attention backend.
+        from batchpilot.server.engine import LLMEngine
+
+        print("measuring engine efficiency ...", flush=True)
+        engine = LLMEngine(**engine_kwargs)
+        longest = max(requests, key=lambda r: len(r.prompt_token_ids))
+        eff = efficiency.measure_efficiency(
+            engine, hf_model, longest, args.concurrency, args.efficiency_steps
+        )
+        del engine
+    if "hf-generate-batch" in args.systems:
+        print("running hf-generate-batch ...", flush=True)
+        runs.append(hf_baselines.hf_generate_batch(hf_model, requests, args.concurrency, warmup))
+    result = summarize(args, runs, eff, requests)
+    print(render(result))
+    path = write(result, args.result_dir)
+    print(f"results: {path}")
+    return 0
+
+
+def summarize(args, runs: list[SystemRun], eff: dict | None, requests) -> dict:
+    reference = next((r for r in runs if r.name == "batchpilot continuous"), None)
+    rows = []
+    for r in runs:
+        row = r.as_dict()
+        row["batchpilot_speedup"] = reference.useful_tok_s / r.useful_tok_s if reference else None
+        rows.append(row)
+    return {
+        "date": time.strftime("%Y%m%d-%H%M%S"),
+        "model": args.model or "bundled SmolLM2-135M-Instruct",
+        "dtype": args.dtype,
+        "concurrency": args.concurrency,
+        "num_prompts": args.num_prompts,
+        "output_lens": list(args.output_lens),
+        "prompt_repeats": list(args.prompt_repeats),
+        "seed": args.seed,
+        "cpus": len(os.sched_getaffinity(0)),
+        "total_prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+        "total_output_tokens": sum(r.output_len for r in requests),
+        "systems": rows,
+        "engine_efficiency": eff,
+    }
+
+
+def render(result: dict) -> str:
+    headers = ["system", "requests", "output tok/s", "useful tok/s", "batchpilot ÷ system"]
+    rows = []
+    for s in result["systems"]:
+        ratio = s["batchpilot_speedup"]
+        rows.append([
+            s["name"] + (f" ({s['note']})" if s["note"] else ""),
+            str(s["num_requests"]),
+            f"{s['output_tok_s']:.1f}",
+            f"{s['useful_tok_s']:.1f}",
+            f"{ratio:.2f}x" if ratio is not None else "-",
+        ])  # fmt: skip
+    text = table(headers, rows)
+    eff = result["engine_efficiency"]
+    if eff:
+        text += (
+            f"\n\nengine efficiency at batch {eff['batch_size']}, context {eff['context_len']}: "
+            f"batchpilot decode {eff['engine_decode_tok_s']:.1f} tok/s vs raw forward "
+            f"{eff['raw_forward_tok_s']:.1f} tok/s = {eff['efficiency']:.2f}"
+        )
+    return text
+
+
+def write(result: dict, result_dir: Path) -> Path:
+    result_dir.mkdir(parents=True, exist_ok=True)
+    path = result_dir / f"offline-c{result['concurrency']}-{result['date']}.json"
+    path.write_text(json.dumps(result, indent=2))
+    return path
