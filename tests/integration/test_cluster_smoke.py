@@ -306,3 +306,56 @@ def test_helm_install_trivial_chart(k8s, namespace):
 
     k8s.run_helm("uninstall", "smoke", "-n", namespace, "--wait", "--timeout", "60s")
     assert json.loads(k8s.run_helm("list", "-n", namespace, "-o", "json").stdout) == []
+
+
+def test_job_completes_and_garbage_collector_cascades(k8s, namespace):
+    batch, apps = client.BatchV1Api(k8s.api), client.AppsV1Api(k8s.api)
+    core = client.CoreV1Api(k8s.api)
+    batch.create_namespaced_job(
+        namespace,
+        client.V1Job(
+            metadata=client.V1ObjectMeta(name="once"),
+            spec=client.V1JobSpec(
+                backoff_limit=0,
+                template=client.V1PodTemplateSpec(
+                    spec=client.V1PodSpec(
+                        restart_policy="Never",
+                        containers=[client.V1Container(name="c", image="fake-image:0")],
+                    )
+                ),
+            ),
+        ),
+    )
+    wait_for(
+        "job once to succeed (kwok pod-complete stage)",
+        lambda: (batch.read_namespaced_job_status("once", namespace).status.succeeded or 0) == 1,
+    )
+
+    labels = {"app": "gc"}
+    apps.create_namespaced_deployment(
+        namespace,
+        {
+            "metadata": {"name": "gc"},
+            "spec": {
+                "replicas": 2,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {"containers": [{"name": "c", "image": "fake-image:0"}]},
+                },
+            },
+        },
+    )
+    wait_for(
+        "deployment gc ready",
+        lambda: (apps.read_namespaced_deployment("gc", namespace).status.ready_replicas or 0) == 2,
+    )
+    # Background deletion: the garbage collector removes the ReplicaSet and then the Pods.
+    apps.delete_namespaced_deployment("gc", namespace, propagation_policy="Background")
+    wait_for(
+        "ReplicaSet and Pods of gc to be garbage-collected",
+        lambda: (
+            not apps.list_namespaced_replica_set(namespace, label_selector="app=gc").items
+            and not core.list_namespaced_pod(namespace, label_selector="app=gc").items
+        ),
+    )

@@ -17,6 +17,7 @@ terminates the processes and removes the work directory unless ``keep`` is true.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime as dt
 import ipaddress
@@ -374,11 +375,15 @@ class Cluster:
         return _https(self.server + path, self.ca_file, self.token, method=method, body=body)
 
     def stop(self) -> None:
+        """Terminate every component (SIGTERM, then SIGKILL) and, unless `keep`, remove the
+        work directory. Safe to call more than once."""
         for comp in reversed(self.components):
             comp.stop()
         if self._api is not None:
             with contextlib.suppress(Exception):
                 self._api.close()
+            self._api = None
+        atexit.unregister(self.stop)
         if not self.keep:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -403,8 +408,12 @@ def _https(
         req.add_header("Authorization", f"Bearer {token}")
     if data is not None:
         req.add_header("Content-Type", "application/json")
+    # Never through a proxy: everything here is on loopback.
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=ctx)
+    )
     try:
-        with urllib.request.urlopen(req, context=ctx, timeout=timeout) as resp:
+        with opener.open(req, timeout=timeout) as resp:
             status, raw = resp.status, resp.read()
     except urllib.error.HTTPError as e:
         status, raw = e.code, e.read()
@@ -562,6 +571,8 @@ def start_cluster(
         c.start(env)
         return c
 
+    # Safety net if the caller never reaches stop() (e.g. the interpreter exits early).
+    atexit.register(cluster.stop)
     try:
         etcd_url = f"http://127.0.0.1:{etcd_port}"
         peer_url = f"http://127.0.0.1:{etcd_peer}"
