@@ -55,8 +55,13 @@ def greedy(offline, prompts, max_tokens):
 
 def test_completion_matches_offline_greedy_with_usage(server, offline):
     client = server.client()
-    out = client.completions.create(model=MODEL, prompt="The capital of France is",
-                                    max_tokens=12, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     prompt_ids = offline.get_tokenizer()("The capital of France is")["input_ids"]
     assert out.choices[0].text == greedy(offline, ["The capital of France is"], 12)[0]
     assert out.choices[0].finish_reason == "length"
@@ -82,8 +87,9 @@ def test_streamed_completion_equals_unstreamed_and_reports_usage(server):
 def test_chat_streamed_and_not(server, offline):
     client = server.client()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
-    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
-                                           temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     ids = offline.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     assert whole.choices[0].message.role == "assistant"

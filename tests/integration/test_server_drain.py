@@ -1,0 +1,63 @@
+"""SIGTERM drains: /ready turns 503, new requests get 503, every in-flight request (streamed
+or not) completes, and the process exits 0. Secrets given on the command line never reach
+the log."""
+
+import signal
+import threading
+
+import httpx
+from test_server_harness import TINY_FLAGS, ServerProcess, wait_until
+
+from batchpilot import names
+
+API_KEY = "sk-drain-key-5521"
+ADMIN_TOKEN = "drain-admin-7730"
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_zero(tmp_path_factory):
+    from batchpilot.server.model.tiny import make_tiny_llama
+
+    tiny = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
+    args = ["--model", tiny, "--served-model-name", "tiny", *TINY_FLAGS, "--api-key", API_KEY,
+            "--admin-token", ADMIN_TOKEN, "--shutdown-timeout", "120"]  # fmt: skip
+    server = ServerProcess(args, tmp_path_factory.mktemp("drain") / "serve.log", api_key=API_KEY)
+    server.start()
+    try:
+        httpx.get(f"{server.url}/admin/config", headers={"Authorization": "Bearer wrong-guess"})
+        results, failures = [], []
+
+        def request(stream: bool, i: int):
+            try:
+                kwargs = dict(model="tiny", prompt=f"drain {i}", max_tokens=150, temperature=0,
+                              extra_body={"ignore_eos": True})  # fmt: skip
+                if stream:
+                    chunks = list(server.client().completions.create(**kwargs, stream=True))
+                    results.append(chunks[-1].choices[0].finish_reason)
+                else:
+                    out = server.client().completions.create(**kwargs)
+                    results.append(out.choices[0].finish_reason)
+            except Exception as e:
+                failures.append(repr(e))
+
+        threads = [threading.Thread(target=request, args=(i % 2 == 0, i)) for i in range(6)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 6)
+
+        server.process.send_signal(signal.SIGTERM)
+        wait_until(lambda: httpx.get(f"{server.url}/ready").status_code == 503, timeout=10)
+        late = httpx.post(f"{server.url}/v1/completions", json={"prompt": "late"},
+                          headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+        assert late.status_code == 503 and late.json()["error"]["code"] == 503
+        assert server.metric(names.NUM_REQUESTS_RUNNING) > 0, "drained before the checks ran"
+
+        for t in threads:
+            t.join(180)
+        assert failures == []
+        assert results == ["length"] * 6
+        assert server.process.wait(60) == 0
+    finally:
+        server.stop()
+    log = server.log()
+    assert "SIGTERM: draining 6 in-flight request(s)" in log
+    assert API_KEY not in log and ADMIN_TOKEN not in log and "wrong-guess" not in log

@@ -1,0 +1,72 @@
+"""A server with one slot and a one-request queue: 429 with Retry-After when the queue is
+full, and the admin API disabled when no admin token is configured."""
+
+import threading
+
+import httpx
+import openai
+import pytest
+from test_server_harness import TINY_FLAGS, ServerProcess, wait_until
+
+from batchpilot import names
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from batchpilot.server.model.tiny import make_tiny_llama
+
+    tiny = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
+    args = ["--model", tiny, "--served-model-name", "tiny", *TINY_FLAGS,
+            "--max-num-seqs", "1", "--max-queue-len", "1"]  # fmt: skip
+    proc = ServerProcess(args, tmp_path_factory.mktemp("overload") / "serve.log").start()
+    yield proc
+    proc.stop()
+
+
+def long_request(server, results: list) -> threading.Thread:
+    def run():
+        out = server.client().completions.create(
+            model="tiny",
+            prompt="go on",
+            max_tokens=300,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        results.append(out.choices[0].finish_reason)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_full_queue_answers_429_with_retry_after_and_loses_nothing(server):
+    results: list = []
+    running = long_request(server, results)
+    wait_until(lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 1)
+    queued = long_request(server, results)
+    wait_until(lambda: server.metric(names.NUM_REQUESTS_WAITING) == 1)
+
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "me too", "max_tokens": 2})
+    assert r.status_code == 429
+    assert int(r.headers["Retry-After"]) >= 1
+    assert r.json()["error"]["code"] == 429 and "waiting" in r.json()["error"]["message"]
+    with pytest.raises(openai.RateLimitError):
+        server.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+
+    running.join(120)
+    queued.join(120)
+    assert results == ["length", "length"]
+    # With the queue drained, the same request is served.
+    out = server.client().completions.create(model="tiny", prompt="me too", max_tokens=2)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_admin_api_is_absent_without_a_token(server):
+    for method in ("GET", "PATCH"):
+        r = httpx.request(method, f"{server.url}/admin/config", json={"max_num_seqs": 4},
+                          headers={"Authorization": "Bearer anything"})  # fmt: skip
+        assert r.status_code == 404
+        assert r.json()["error"]["code"] == 404
+    assert server.metric(names.MAX_NUM_SEQS_METRIC) == 1
