@@ -45,11 +45,11 @@ def raw_forward_tok_s(hf_model, prompt: list[int], batch_size: int, steps: int) 
 
     ids = torch.tensor([prompt] * batch_size)
     cache = DynamicCache()
-    logits = hf_model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+    logits = hf_model(input_ids=ids, cache=cache, use_cache=True).logits
     next_ids = logits[:, -1:].argmax(-1)
     start = time.perf_counter()
     for _ in range(steps):
-        logits = hf_model(input_ids=next_ids, past_key_values=cache, use_cache=True).logits
+        logits = hf_model(input_ids=next_ids, cache=cache, use_cache=True).logits
         next_ids = logits[:, -1:].argmax(-1)
     return batch_size * steps / (time.perf_counter() - start)
 
