@@ -41,7 +41,8 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    error_type = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    phrase = "".join(ch for ch in HTTPStatus(status).phrase.title() if ch.isalnum())
+    error_type = ERROR_TYPES.get(status) or phrase + "Error"
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 

@@ -1,0 +1,103 @@
+"""/metrics rendering from a stats dict, histogram observation from step results, and the
+periodic stats line."""
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from batchpilot import names
+from batchpilot.server.api.metrics import ServerMetrics
+from batchpilot.server.api.stats_log import is_idle, stats_line
+from batchpilot.server.async_engine import StepResult
+from batchpilot.server.outputs import CompletionOutput, RequestOutput
+from batchpilot.server.sequence import Timings
+
+STATS = {
+    "num_running": 3, "num_waiting": 2, "num_swapped": 1, "num_kv_blocks": 100,
+    "num_free_kv_blocks": 75, "kv_cache_usage": 0.25, "cpu_cache_usage": 0.5,
+    "num_preemptions": 4, "num_swaps_out": 5, "num_swaps_in": 6, "num_steps": 10,
+    "prompt_tokens_total": 70, "generation_tokens_total": 80, "last_step_num_tokens": 9,
+    "last_step_batch_size": 3, "max_num_seqs": 32, "kv_cache_dtype": "fp8", "block_size": 16,
+}  # fmt: skip
+
+
+def samples(metrics: ServerMetrics) -> dict:
+    body, content_type = metrics.render()
+    assert content_type.startswith("text/plain")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
+
+
+def value(found: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted({"model_name": "m", **labels}.items())))
+    return found[key]
+
+
+def test_gauges_and_counters_read_stats_at_scrape_time():
+    stats = dict(STATS)
+    metrics = ServerMetrics("m", lambda: stats)
+    found = samples(metrics)
+    assert value(found, names.NUM_REQUESTS_RUNNING) == 3
+    assert value(found, names.NUM_REQUESTS_WAITING) == 2
+    assert value(found, names.NUM_REQUESTS_SWAPPED) == 1
+    assert value(found, names.KV_CACHE_USAGE) == 0.25
+    assert value(found, names.CPU_CACHE_USAGE) == 0.5
+    assert value(found, names.NUM_PREEMPTIONS) == 4
+    assert value(found, names.PROMPT_TOKENS) == 70
+    assert value(found, names.GENERATION_TOKENS) == 80
+    assert value(found, names.SWAPS_OUT) == 5 and value(found, names.SWAPS_IN) == 6
+    assert value(found, names.MAX_NUM_SEQS_METRIC) == 32
+    info = dict(dtype="fp8", block_size="16", num_blocks="100")
+    assert value(found, names.KV_CACHE_INFO, **info) == 1
+    stats["max_num_seqs"] = 8
+    assert value(samples(metrics), names.MAX_NUM_SEQS_METRIC) == 8
+
+
+def test_every_listed_name_is_exposed():
+    exposed = {name for name, _ in samples(ServerMetrics("m", lambda: STATS))}
+    for name in names.ALL_METRICS:
+        assert any(e == name or e.startswith(name + "_") for e in exposed), name
+
+
+def output(rid: str, tokens: list[int], new: int, finished: bool, timing: Timings):
+    completion = CompletionOutput(0, "", tokens, "x", tokens[-new:] if new else [], None)
+    return RequestOutput(rid, "p", [1, 2], [completion], finished, timing)
+
+
+def test_histograms_from_steps():
+    metrics = ServerMetrics("m", lambda: STATS)
+    timing = Timings(arrival_time=100.0)
+    timing.first_scheduled_time, timing.first_token_time = 100.5, 101.0
+    metrics.observe_step(StepResult([output("a", [7], 1, False, timing)], STATS, True, 101.0))
+    metrics.observe_step(StepResult([output("a", [7, 8], 1, False, timing)], STATS, True, 101.2))
+    timing.finished_time = 101.6
+    metrics.observe_step(StepResult([output("a", [7, 8, 9, 10], 2, True, timing)], STATS, True,
+                                    101.6))  # fmt: skip
+    metrics.observe_step(StepResult([], STATS, False, 102.0))  # no step ran: nothing observed
+    found = samples(metrics)
+    assert value(found, names.TIME_TO_FIRST_TOKEN + "_count") == 1
+    assert value(found, names.TIME_TO_FIRST_TOKEN + "_sum") == 1.0
+    assert value(found, names.INTER_TOKEN_LATENCY + "_count") == 3
+    assert value(found, names.INTER_TOKEN_LATENCY + "_sum") == pytest.approx(0.6)
+    assert value(found, names.E2E_REQUEST_LATENCY + "_sum") == pytest.approx(1.6)
+    assert value(found, names.REQUEST_QUEUE_TIME + "_sum") == pytest.approx(0.5)
+    assert value(found, names.ITERATION_TOKENS + "_count") == 3
+    assert value(found, names.ITERATION_TOKENS + "_sum") == 27
+    assert value(found, names.BATCH_SIZE + "_sum") == 9
+    assert value(found, names.TIME_TO_FIRST_TOKEN + "_bucket", le="0.001") == 0
+
+
+def test_stats_line_rates_and_idle_detection():
+    before = {**STATS, "prompt_tokens_total": 0, "generation_tokens_total": 20,
+              "num_preemptions": 1}  # fmt: skip
+    line = stats_line(before, STATS, 10.0)
+    assert "Avg prompt throughput: 7.0 tokens/s" in line
+    assert "Avg generation throughput: 6.0 tokens/s" in line
+    assert "Running: 3 reqs, Swapped: 1 reqs, Pending: 2 reqs" in line
+    assert "KV cache usage: 25.0%" in line and "Preemptions: 3" in line
+    idle = {**STATS, "num_running": 0, "num_waiting": 0, "num_swapped": 0}
+    assert is_idle(idle, idle)
+    assert not is_idle(idle, {**idle, "num_steps": 11})
+    assert not is_idle(STATS, STATS)

@@ -1,0 +1,104 @@
+"""Request validation and the mapping to SamplingParams."""
+
+import pytest
+from pydantic import ValidationError
+
+from batchpilot.server.api.errors import APIError
+from batchpilot.server.api.protocol import (
+    INT64_MAX,
+    ChatCompletionRequest,
+    CompletionRequest,
+    sampling_params,
+)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"max_tokens": 0},
+        {"max_tokens": -1},
+        {"temperature": -0.1},
+        {"temperature": 2.5},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"top_k": 0},
+        {"top_k": -2},
+        {"n": 0},
+        {"n": 1000},
+        {"seed": -1},
+        {"stop": ["a"] * 17},
+        {"presence_penalty": 0.5},
+        {"logit_bias": {"1": 2.0}},
+        {"logprobs": 1},
+        {"echo": True},
+        {"best_of": 3},
+    ],
+)
+def test_out_of_range_or_unsupported_completion_fields_are_rejected(fields):
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt="hi", **fields)
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]], [-1], {"a": 1}, [1, "a"]])
+def test_malformed_prompts_are_rejected_except_empty_string(prompt):
+    if prompt == "":
+        assert CompletionRequest(prompt=prompt).prompts() == [""]  # the engine rejects it
+    else:
+        with pytest.raises(ValidationError):
+            CompletionRequest(prompt=prompt)
+
+
+def test_prompt_shapes_normalize_to_a_list_of_prompts():
+    assert CompletionRequest(prompt="a").prompts() == ["a"]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
+    assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
+
+
+def test_unknown_fields_are_ignored_like_openai():
+    assert CompletionRequest(prompt="a", some_future_field=3).prompt == "a"
+
+
+def test_include_usage_only_when_streaming():
+    options = {"include_usage": True}
+    assert CompletionRequest(prompt="a", stream=True, stream_options=options).include_usage
+    assert not CompletionRequest(prompt="a", stream=False, stream_options=options).include_usage
+    assert not CompletionRequest(prompt="a", stream=True).include_usage
+
+
+def test_chat_messages_text_parts_roles_and_limits():
+    body = ChatCompletionRequest(
+        messages=[
+            {"role": "system", "content": "sys"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ]
+    )  # fmt: skip
+    assert body.template_messages() == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "ab"},
+    ]
+    for bad in ([], [{"role": "wizard", "content": "x"}],
+                [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]):  # fmt: skip
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest(messages=bad)
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_completion_tokens=0)
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=[{"type": "f"}])
+
+
+def test_sampling_params_defaults_and_seed_per_choice():
+    body = CompletionRequest(prompt="a", seed=INT64_MAX, top_k=5, stop="x", ignore_eos=True)
+    first, second = sampling_params(body, 7, 0), sampling_params(body, 7, 1)
+    assert (first.max_tokens, first.temperature, first.top_p, first.top_k) == (7, 1.0, 1.0, 5)
+    assert first.stop_strings == ("x",) and first.ignore_eos
+    assert (first.seed, second.seed) == (INT64_MAX, 0)  # wraps instead of overflowing int64
+    unseeded = sampling_params(CompletionRequest(prompt="a", temperature=0), 3, 2)
+    assert unseeded.seed is None and unseeded.greedy
+
+
+def test_sampling_params_errors_become_400():
+    body = CompletionRequest(prompt="a", stop=[""])
+    with pytest.raises(APIError) as info:
+        sampling_params(body, 4, 0)
+    assert info.value.status == 400 and "stop" in info.value.message
