@@ -29,13 +29,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser, num_prompts: int) ->
     g.add_argument("--result-dir", type=Path, default=Path("bench-results"))
 
 
-def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+def add_load_arguments(parser: argparse.ArgumentParser, with_concurrency: bool = True) -> None:
     g = parser.add_argument_group("load")
     g.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals (inf: all at once)")  # fmt: skip
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrival gaps; 1.0 is Poisson")  # fmt: skip
-    g.add_argument("--max-concurrency", type=int, default=None)
+    if with_concurrency:  # a sweep sets it per run
+        g.add_argument("--max-concurrency", type=int, default=None)
     g.add_argument("--num-warmups", type=int, default=1)
     g.add_argument("--slo", "--goodput", dest="slo", default=None,
                    help="goodput SLO, e.g. ttft:500,tpot:50 (milliseconds)")  # fmt: skip

@@ -10,9 +10,10 @@ import time
 from tqdm import tqdm
 
 from batchpilot.server.bench import online
+from batchpilot.server.bench.offline_reference import offline_output_tok_s
 from batchpilot.server.bench.plots import plot_sweep
 from batchpilot.server.bench.server_process import running_server
-from batchpilot.server.bench.workload import parse_int_list
+from batchpilot.server.bench.workload import make_workload, parse_int_list
 
 SUMMARY_DROPS = ("input_lens", "output_lens", "ttfts", "itls", "errors")
 
@@ -31,8 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the server's batch limit while sweeping max-concurrency")  # fmt: skip
     parser.add_argument("--serve-args", default="",
                         help="extra flags for batchpilot serve, e.g. '--kv-cache-memory 512MiB'")  # fmt: skip
+    parser.add_argument("--offline-reference", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="also run the workload offline per policy and report online / "
+                        "offline throughput where concurrency equals max-num-seqs")  # fmt: skip
     online.add_workload_arguments(parser, num_prompts=64)
-    online.add_load_arguments(parser)
+    online.add_load_arguments(parser, with_concurrency=False)
 
 
 def server_plan(args) -> list[tuple[str, int | None, list[int]]]:
@@ -44,38 +49,58 @@ def server_plan(args) -> list[tuple[str, int | None, list[int]]]:
 
 def run(args: argparse.Namespace) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out_dir = args.result_dir
     plan = server_plan(args)
     points = []
     bar = tqdm(total=sum(len(c) for _, _, c in plan), desc="sweep", unit="run")
     for policy, max_num_seqs, concurrencies in plan:
-        serve_args = ["--scheduling-policy", policy, "--max-num-seqs", str(max_num_seqs),
-                      "--dtype", args.dtype, *shlex.split(args.serve_args)]  # fmt: skip
-        if args.model:
-            serve_args += ["--model", args.model]
-        log = out_dir / f"server-{policy}-{max_num_seqs}-{stamp}.log"
-        bar.set_postfix_str(f"starting {policy} server (max-num-seqs {max_num_seqs})")
-        with running_server(serve_args, log) as url:
-            for concurrency in concurrencies:
-                bar.set_postfix_str(f"{policy} max-num-seqs {max_num_seqs} c={concurrency}")
-                run_args = copy.copy(args)
-                run_args.max_concurrency = concurrency
-                spec = online.load_spec(run_args, url, None)
-                result = online.bench_serve(run_args, spec, progress=False)
-                result.update(policy=policy, max_num_seqs=max_num_seqs)
-                name = f"serve-{policy}-mns{max_num_seqs}-c{concurrency}-{stamp}.json"
-                online.write_result(result, out_dir, name)
-                points.append({k: v for k, v in result.items() if k not in SUMMARY_DROPS})
-                bar.update(1)
+        points += run_one_server(args, policy, max_num_seqs, concurrencies, stamp, bar)
     bar.close()
     x_key = "max_concurrency" if args.sweep == "max-concurrency" else "max_num_seqs"
-    png = plot_sweep(points, x_key, out_dir / f"sweep-{args.sweep}-{stamp}.png")
+    png = plot_sweep(points, x_key, args.result_dir / f"sweep-{args.sweep}-{stamp}.png")
     summary = {"date": stamp, "sweep": args.sweep, "plot": str(png), "points": points}
-    path = out_dir / f"sweep-{args.sweep}-{stamp}.json"
+    path = args.result_dir / f"sweep-{args.sweep}-{stamp}.json"
     path.write_text(json.dumps(summary, indent=2))
     print(render(points, x_key))
+    for p in points:
+        if "online_over_offline" in p:
+            print(f"{p['policy']} at concurrency {p['max_concurrency']}: online "
+                  f"{p['output_throughput']:.1f} tok/s / offline "
+                  f"{p['offline_output_throughput']:.1f} tok/s = {p['online_over_offline']:.2f}")  # fmt: skip
     print(f"plot: {png}\nresults: {path}")
     return 0 if all(p["failed"] == 0 for p in points) else 1
+
+
+def run_one_server(args, policy: str, max_num_seqs: int, concurrencies: list[int], stamp: str,
+                   bar: tqdm) -> list[dict]:  # fmt: skip
+    """One server configuration: its offline reference, then each client concurrency."""
+    serve_args = ["--scheduling-policy", policy, "--max-num-seqs", str(max_num_seqs),
+                  "--dtype", args.dtype, *shlex.split(args.serve_args)]  # fmt: skip
+    if args.model:
+        serve_args += ["--model", args.model]
+    offline_tok_s = None
+    if args.offline_reference and max_num_seqs in concurrencies:
+        bar.set_postfix_str(f"{policy} offline reference (max-num-seqs {max_num_seqs})")
+        requests = make_workload(args.num_prompts, args.seed, args.output_lens,
+                                 args.prompt_repeats)  # fmt: skip
+        offline_tok_s = offline_output_tok_s(serve_args, requests)
+    log = args.result_dir / f"server-{policy}-{max_num_seqs}-{stamp}.log"
+    bar.set_postfix_str(f"starting {policy} server (max-num-seqs {max_num_seqs})")
+    points = []
+    with running_server(serve_args, log) as url:
+        for concurrency in concurrencies:
+            bar.set_postfix_str(f"{policy} max-num-seqs {max_num_seqs} c={concurrency}")
+            run_args = copy.copy(args)
+            run_args.max_concurrency = concurrency
+            result = online.bench_serve(run_args, online.load_spec(run_args, url, None), False)
+            result.update(policy=policy, max_num_seqs=max_num_seqs)
+            if offline_tok_s is not None and concurrency == max_num_seqs:
+                result["offline_output_throughput"] = offline_tok_s
+                result["online_over_offline"] = result["output_throughput"] / offline_tok_s
+            name = f"serve-{policy}-mns{max_num_seqs}-c{concurrency}-{stamp}.json"
+            online.write_result(result, args.result_dir, name)
+            points.append({k: v for k, v in result.items() if k not in SUMMARY_DROPS})
+            bar.update(1)
+    return points
 
 
 def render(points: list[dict], x_key: str) -> str:

@@ -87,6 +87,12 @@ def test_sweep_starts_servers_and_plots_continuous_against_static(tiny_path, tmp
     points = {(p["policy"], p["max_concurrency"]) for p in summary["points"]}
     assert points == {("continuous", 1), ("continuous", 2), ("static", 1), ("static", 2)}
     assert all(p["completed"] == 4 and p["failed"] == 0 for p in summary["points"])
+    # Where the clients match the server's batch limit, the same work also ran offline.
+    at_limit = [p for p in summary["points"] if p["max_concurrency"] == 2]
+    for p in at_limit:
+        assert p["online_over_offline"] == pytest.approx(
+            p["output_throughput"] / p["offline_output_throughput"]
+        )
     png = tmp_path / summary["plot"].rsplit("/", 1)[-1]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(list(tmp_path.glob("serve-*.json"))) == 4  # one file per run as well
