@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 export BATCHPILOT_CACHE ?= $(HOME)/.cache/batchpilot
 PYTEST_ARGS ?=
 
-.PHONY: run test venv lint format unit slow cluster k8s-bins crds bench clean
+.PHONY: run test venv lint format unit slow cluster k8s-bins crds bench clean image-server image-operator
 
 # .venv is rebuilt only when pyproject.toml changes; pip's own cache makes a rebuild cheap.
 $(STAMP): pyproject.toml
@@ -54,3 +54,12 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# Container images (need a Docker engine). The server tag matches the operator's default
+# server image, so a cluster that loads it (kind load docker-image) needs no --server-image.
+# CUDA server: make image-server DOCKER_BUILD_ARGS="--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126"
+image-server:
+	docker build -f server/Dockerfile $(DOCKER_BUILD_ARGS) -t $(or $(SERVER_IMAGE),ghcr.io/batchpilot/batchpilot-server:$(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' batchpilot/__init__.py)) .
+
+image-operator:
+	docker build -f operator/Dockerfile $(DOCKER_BUILD_ARGS) -t $(or $(OPERATOR_IMAGE),ghcr.io/batchpilot/batchpilot-operator:$(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' batchpilot/__init__.py)) .
