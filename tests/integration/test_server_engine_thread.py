@@ -37,7 +37,9 @@ def test_one_delivery_per_step_for_many_requests(tiny_path):
         engine = make_async_engine(tiny_path, deliveries)
         engine.start()
         await engine.loaded
-        streams = [await engine.submit([(f"r{i}", f"prompt {i}", params(12))]) for i in range(8)]
+        streams = await asyncio.gather(
+            *(engine.submit([(f"r{i}", f"prompt {i}", params(12))]) for i in range(8))
+        )
 
         async def drain(stream):
             return [out async for outs in stream for out in outs]
