@@ -16,15 +16,18 @@ def batchpilot_generate(
     llm = LLM(scheduling_policy=policy, **engine_kwargs)
     try:
         _generate(llm, SamplingParams, warmup)
+        before = llm.stats()
         start = time.perf_counter()
         outputs = _generate(llm, SamplingParams, requests)
         seconds = time.perf_counter() - start
         produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-        stats = llm.stats()
+        after = llm.stats()
     finally:
         del llm
         gc.collect()
-    note = f"{stats['num_steps']} steps, {stats['num_preemptions']} preemptions"
+    steps = after["num_steps"] - before["num_steps"]
+    preemptions = after["num_preemptions"] - before["num_preemptions"]
+    note = f"{steps} steps, {preemptions} preemptions"
     return SystemRun(f"batchpilot {policy}", len(requests), produced, produced, seconds, note)
 
 

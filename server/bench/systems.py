@@ -1,6 +1,6 @@
 """What one offline system run produced, in the units the comparison table uses."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,7 @@ class SystemRun:
     useful_tokens: int  # tokens the requests asked for
     seconds: float
     note: str = ""
+    round_useful_tok_s: list[float] = field(default_factory=list)  # every round, when repeated
 
     @property
     def output_tok_s(self) -> float:
@@ -36,4 +37,5 @@ class SystemRun:
             "output_tok_s": self.output_tok_s,
             "useful_tok_s": self.useful_tok_s,
             "note": self.note,
+            "round_useful_tok_s": self.round_useful_tok_s,
         }
