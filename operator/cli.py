@@ -1,0 +1,172 @@
+"""`batchpilot operator`: run the kopf operator, or write/check the generated CRDs.
+
+    batchpilot operator -A                      # every namespace
+    batchpilot operator -n team-a -n team-b     # some namespaces
+    batchpilot operator crds --output crds/     # regenerate crds/ from operator/crd.py
+    batchpilot operator crds --check crds/      # exit 1 when crds/ is stale
+
+Imports stay light until the operator runs: no torch, transformers or triton, ever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+from batchpilot.operator.config import DEFAULT_SERVER_IMAGE, ENV, OperatorConfig
+
+DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "action",
+        nargs="?",
+        choices=("run", "crds"),
+        default="run",
+        help="run the operator (default), or write the CRDs",
+    )
+    scope = parser.add_argument_group("scope (one of)")
+    scope.add_argument(
+        "-A",
+        "--all-namespaces",
+        action="store_true",
+        help="serve InferenceServices in every namespace",
+    )
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="serve this namespace (repeatable; globs like team-* work)",
+    )
+    run = parser.add_argument_group("operator")
+    run.add_argument(
+        "--server-image",
+        default=None,
+        help=f"image for InferenceServices without spec.image (${ENV['server_image']}; "
+        f"default {DEFAULT_SERVER_IMAGE})",
+    )
+    run.add_argument(
+        "--reconcile-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=f"full reconcile (drift correction) period (${ENV['reconcile_interval']}; default 30)",
+    )
+    run.add_argument(
+        "--cluster-domain",
+        default=None,
+        help=f"for status.url (${ENV['cluster_domain']}; default cluster.local)",
+    )
+    run.add_argument(
+        "--liveness",
+        nargs="?",
+        const=DEFAULT_LIVENESS,
+        default=None,
+        metavar="URL",
+        help=f"serve a liveness probe (bare --liveness: {DEFAULT_LIVENESS})",
+    )
+    run.add_argument(
+        "--standalone", action="store_true", help="no peering even if a KopfPeering object exists"
+    )
+    run.add_argument(
+        "--peering",
+        default=None,
+        metavar="NAME",
+        help="peer with other replicas through KopfPeering NAME (mandatory): "
+        "the highest priority runs, the others stand by",
+    )
+    run.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="peering priority (default: random, so that replicas never tie)",
+    )
+    run.add_argument("--log-format", choices=("json", "full", "plain"), default="json")
+    run.add_argument("-v", "--verbose", action="store_true")
+    run.add_argument("--debug", action="store_true")
+    crds = parser.add_argument_group("crds")
+    crds.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write the CRD files here (default: print them)",
+    )
+    crds.add_argument(
+        "--check",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="exit 1 if the files in DIR differ from the generated ones",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "crds":
+        return _crds(args)
+    if args.all_namespaces == bool(args.namespace):
+        print("batchpilot operator: choose -A/--all-namespaces or -n/--namespace", file=sys.stderr)
+        return 2
+    if args.standalone and args.peering:
+        print("batchpilot operator: --standalone and --peering exclude each other", file=sys.stderr)
+        return 2
+
+    import kopf
+
+    from batchpilot.operator.handlers import make_registry
+
+    config = OperatorConfig.from_env(
+        server_image=args.server_image,
+        reconcile_interval=args.reconcile_interval,
+        cluster_domain=args.cluster_domain,
+    )
+    kopf.configure(
+        debug=args.debug,
+        verbose=args.verbose,
+        log_format={
+            "json": kopf.LogFormat.JSON,
+            "full": kopf.LogFormat.FULL,
+            "plain": kopf.LogFormat.PLAIN,
+        }[args.log_format],
+        log_refkey="object" if args.log_format == "json" else None,
+    )
+    settings = kopf.OperatorSettings()
+    if args.peering:
+        settings.peering.mandatory = True
+    kopf.run(
+        registry=make_registry(config),
+        settings=settings,
+        clusterwide=args.all_namespaces,
+        namespaces=args.namespace,
+        standalone=args.standalone or None,
+        peering_name=args.peering,
+        priority=args.priority if args.priority is not None else random.randint(1, 1_000_000),
+        liveness_endpoint=args.liveness,
+    )
+    return 0
+
+
+def _crds(args: argparse.Namespace) -> int:
+    from batchpilot.operator import crd
+
+    files = crd.rendered_files()
+    if args.check:
+        stale = [
+            n
+            for n, text in files.items()
+            if not (args.check / n).is_file() or (args.check / n).read_text() != text
+        ]
+        for name in stale:
+            print(f"{args.check / name} is stale: run `make crds`", file=sys.stderr)
+        return 1 if stale else 0
+    if args.output:
+        for path in crd.write_crds(args.output):
+            print(path)
+        return 0
+    sys.stdout.write("---\n".join(text.split("\n", 1)[1] for text in files.values()))
+    return 0

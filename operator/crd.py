@@ -1,0 +1,724 @@
+"""The InferenceService API (group batchpilot.dev, version v1alpha1), defined once.
+
+The pydantic models below are the single source of the schema:
+
+- the operator parses every object's spec with them (typed access, the same defaults the
+  API server applies, and the same cross-field rules as the CRD's CEL);
+- ``crd_manifest()`` walks them into the CRD's structural OpenAPI v3 schema, and
+  ``batchpilot operator crds`` writes it to ``crds/`` (a test fails when that file is stale).
+
+Field docstrings become the schema's descriptions (``kubectl explain bpis.spec.engine``).
+Cross-field rules are declared once as ``Rule(cel, message, check)``: the CEL goes into
+``x-kubernetes-validations`` and ``check`` is the same predicate in Python.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+import annotated_types
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from batchpilot import names
+
+GROUP = "batchpilot.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ["bpis"]  # "isvc" belongs to KServe
+CRD_NAME = f"{PLURAL}.{GROUP}"
+CRD_FILE = f"{CRD_NAME}.yaml"
+
+__all__ = [
+    "API_VERSION",
+    "GROUP",
+    "KIND",
+    "PLURAL",
+    "VERSION",
+    "InferenceServiceSpec",
+    "InferenceServiceStatus",
+    "SpecError",
+    "crd_manifest",
+    "parse_spec",
+]
+
+
+# --------------------------------------------------------------------------- schema hints
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: hashable by identity, as Annotated needs
+class K8sSchema:
+    """``Annotated[..., K8sSchema({...})]``: use this OpenAPI fragment for the type as is."""
+
+    schema: dict
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A cross-field rule, stated once for the API server (CEL) and for Python (check)."""
+
+    cel: str
+    message: str
+    check: Callable[[Any], bool]
+    field_path: str | None = None
+
+
+_QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"
+    r"|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+Quantity = Annotated[
+    int | str,
+    K8sSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": _QUANTITY_PATTERN,
+            "x-kubernetes-int-or-string": True,
+        }
+    ),
+]
+# Opaque core/v1 objects (affinity, volumes, ...): kept as given, validated by the API server
+# when the operator applies the Deployment.
+Opaque = Annotated[
+    dict[str, Any], K8sSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})
+]
+DNS1123Label = Annotated[str, Field(max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
+DNS1123Subdomain = Annotated[
+    str,
+    Field(
+        max_length=253, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+    ),
+]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        populate_by_name=True,
+        use_attribute_docstrings=True,
+        validate_default=True,
+        frozen=True,
+    )
+    rules: ClassVar[tuple[Rule, ...]] = ()
+
+    @model_validator(mode="after")
+    def _check_rules(self):
+        for rule in type(self).rules:
+            if not rule.check(self):
+                raise ValueError(rule.message)
+        return self
+
+    def to_api(self) -> dict:
+        """The object as the API server stores it (camelCase, defaults filled, None dropped)."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(p[:1].upper() + p[1:] for p in rest)
+
+
+class _Camel(_Model):
+    model_config = ConfigDict(alias_generator=_camel)
+
+
+# --------------------------------------------------------------------------- spec
+
+
+class ModelSpec(_Camel):
+    source: str = Field(
+        "bundled",
+        max_length=1024,
+        pattern=r"^(bundled|/.+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|hf://[^/\s]+/[^\s]+)$",
+    )
+    """Where the weights come from: `bundled` (SmolLM2-135M-Instruct inside the server image),
+    an absolute path in the container (an HF directory, safetensors or a .gguf file),
+    `pvc://<claim>/<path>` (the claim is mounted read-only; the operator checks it exists),
+    or `hf://<org>/<name>` (already in the image's or a mounted Hugging Face cache)."""
+
+    name: DNS1123Subdomain | None = None
+    """The model name clients send (`model` in OpenAI requests) and the `model_name` metric
+    label. Default: smollm2-135m-instruct for the bundled model, else the source's last
+    path component."""
+
+
+class EngineSpec(_Camel):
+    """Engine settings. Each field has the name of the server's flag (vLLM's names)."""
+
+    max_model_len: int | None = Field(None, ge=16, le=1 << 20, alias=names.MAX_MODEL_LEN.crd_field)
+    """Longest prompt plus output, in tokens. Default: the model's limit, capped at 4096."""
+
+    max_num_seqs: int = Field(64, ge=1, le=4096, alias=names.MAX_NUM_SEQS.crd_field)
+    """Most sequences in one batch. The tuner changes it live within tuning.maxNumSeqs."""
+
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, le=1 << 20, alias=names.MAX_NUM_BATCHED_TOKENS.crd_field
+    )
+    """Token budget of one engine step. Default: 2048 with chunked prefill, else
+    max(2048, maxModelLen)."""
+
+    kv_cache_dtype: Literal[names.KV_CACHE_DTYPES] = Field(  # type: ignore[valid-type]
+        "auto", alias=names.KV_CACHE_DTYPE.crd_field
+    )
+    """KV-cache element type: auto (the model's dtype) or an fp8 format (half the memory)."""
+
+    gpu_memory_utilization: float = Field(
+        0.9, ge=0.1, le=0.99, alias=names.GPU_MEMORY_UTILIZATION.crd_field
+    )
+    """Fraction of GPU memory the engine may use for weights, activations and KV cache."""
+
+    swap_space_gib: float = Field(4.0, ge=0, le=1024, alias=names.SWAP_SPACE.crd_field)
+    """CPU swap space for preempted sequences' KV blocks, in GiB."""
+
+    block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128] = Field(16, alias=names.BLOCK_SIZE.crd_field)
+    """Tokens per KV-cache block."""
+
+    preemption_mode: Literal[names.PREEMPTION_MODES] = Field(  # type: ignore[valid-type]
+        "swap", alias=names.PREEMPTION_MODE.crd_field
+    )
+    """What happens to a preempted sequence's KV blocks: swap them to CPU, or drop and
+    recompute them."""
+
+    enable_chunked_prefill: bool = Field(True, alias=names.ENABLE_CHUNKED_PREFILL.crd_field)
+    """Split long prompts across steps so that decodes keep flowing."""
+
+    enable_prefix_caching: bool = Field(True, alias=names.ENABLE_PREFIX_CACHING.crd_field)
+    """Reuse KV blocks of identical prompt prefixes."""
+
+    dtype: Literal[names.DTYPES] = "auto"  # type: ignore[valid-type]
+    """Weights and activations dtype."""
+
+    extra_args: list[Annotated[str, Field(max_length=256)]] = Field(
+        default_factory=list, max_length=64
+    )
+    """More `batchpilot serve` flags, appended as given. Flags the operator derives from
+    this spec (model, engine settings, port, shutdown timeout) may not be repeated here."""
+
+    rules = (
+        Rule(
+            cel="!has(self.maxNumBatchedTokens) || !has(self.maxModelLen) || "
+            "self.enableChunkedPrefill || self.maxNumBatchedTokens >= self.maxModelLen",
+            message="maxNumBatchedTokens must be >= maxModelLen unless enableChunkedPrefill "
+            "is true: a full-length prompt would never fit in one step",
+            check=lambda e: (
+                e.max_num_batched_tokens is None
+                or e.max_model_len is None
+                or e.enable_chunked_prefill
+                or e.max_num_batched_tokens >= e.max_model_len
+            ),
+        ),
+    )
+
+
+class ServerSpec(_Camel):
+    """The server process around the engine."""
+
+    shutdown_timeout_seconds: int = Field(30, ge=1, le=3600)
+    """How long SIGTERM waits for in-flight requests (the server's --shutdown-timeout). The
+    pod's terminationGracePeriodSeconds is derived from it and preStopSleepSeconds."""
+
+    pre_stop_sleep_seconds: int = Field(5, ge=0, le=300)
+    """Pause before SIGTERM so that endpoints drop the pod before it stops accepting."""
+
+    max_queue_len: int = Field(1024, ge=1, le=1_000_000)
+    """Waiting requests beyond this get 429 with Retry-After (the server's --max-queue-len)."""
+
+
+class AutoscalingSpec(_Camel):
+    """Replicas from queue length. While enabled, the operator owns the replica count and
+    spec.replicas is ignored."""
+
+    enabled: bool = False
+    min_replicas: int = Field(1, ge=1, le=1000)
+    max_replicas: int = Field(4, ge=1, le=1000)
+    target_queue_length: float = Field(4.0, gt=0, le=100_000)
+    """Waiting requests per replica to aim for."""
+    scale_up_stabilization_seconds: int = Field(30, ge=0, le=3600)
+    scale_down_stabilization_seconds: int = Field(300, ge=0, le=86400)
+
+    rules = (
+        Rule(
+            cel="self.minReplicas <= self.maxReplicas",
+            message="autoscaling.minReplicas must be <= autoscaling.maxReplicas",
+            check=lambda a: a.min_replicas <= a.max_replicas,
+        ),
+    )
+
+
+class IntRange(_Camel):
+    min: int = Field(8, ge=1, le=4096)
+    max: int = Field(256, ge=1, le=4096)
+
+    rules = (
+        Rule(
+            cel="self.min <= self.max",
+            message="tuning.maxNumSeqs.min must be <= tuning.maxNumSeqs.max",
+            check=lambda r: r.min <= r.max,
+        ),
+    )
+
+
+class TuningSpec(_Camel):
+    """The online tuner of max_num_seqs and the KV-cache dtype."""
+
+    enabled: bool = False
+    max_num_seqs: IntRange = Field(default_factory=IntRange)
+    """Bounds the tuner keeps max_num_seqs within."""
+    allow_fp8_kv_cache: bool = Field(False, alias="allowFP8KVCache")
+    """May the tuner switch the KV cache to fp8 when memory-bound (a rolling restart)."""
+    target_inter_token_latency_seconds: float = Field(0.1, gt=0, le=60)
+    """P99 inter-token latency above this lowers max_num_seqs."""
+    cooldown_seconds: int = Field(120, ge=0, le=86400)
+    """Least time between two tuning decisions."""
+
+
+class Toleration(_Camel):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class EnvVar(_Camel):
+    name: str = Field(min_length=1, max_length=256)
+    value: str | None = None
+    value_from: Opaque | None = None
+
+
+class LocalObjectReference(_Camel):
+    name: str
+
+
+class PodSpec(_Camel):
+    """Pass-through settings of the server pods (core/v1 names and shapes)."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+    affinity: Opaque | None = None
+    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+    service_account_name: DNS1123Subdomain | None = None
+    annotations: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list, max_length=16)
+    priority_class_name: str | None = None
+    volumes: list[Opaque] = Field(default_factory=list, max_length=64)
+    """Extra volumes, e.g. a Hugging Face cache for hf:// sources."""
+    volume_mounts: list[Opaque] = Field(default_factory=list, max_length=64)
+    """Mounts of the extra volumes into the server container."""
+
+
+class ResourceRequirements(_Camel):
+    """core/v1 ResourceRequirements of the server container, e.g. limits nvidia.com/gpu: 1."""
+
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+
+
+class InferenceServiceSpec(_Camel):
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    """The model to serve."""
+    image: str | None = Field(None, max_length=512)
+    """The server image. Default: the operator's (--server-image or BATCHPILOT_SERVER_IMAGE;
+    the release's batchpilot-server image otherwise)."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    replicas: int = Field(1, ge=0, le=1000)
+    """Replicas while autoscaling is off (the scale subresource)."""
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    server: ServerSpec = Field(default_factory=ServerSpec)
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    tuning: TuningSpec = Field(default_factory=TuningSpec)
+    pod: PodSpec = Field(default_factory=PodSpec)
+
+    rules = (
+        Rule(
+            cel="!self.tuning.enabled || (self.tuning.maxNumSeqs.min <= self.engine.maxNumSeqs"
+            " && self.engine.maxNumSeqs <= self.tuning.maxNumSeqs.max)",
+            message="with tuning enabled, engine.maxNumSeqs must lie within "
+            "tuning.maxNumSeqs.min..max",
+            check=lambda s: (
+                not s.tuning.enabled
+                or s.tuning.max_num_seqs.min <= s.engine.max_num_seqs <= s.tuning.max_num_seqs.max
+            ),
+        ),
+    )
+
+
+# --------------------------------------------------------------------------- status
+
+
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+
+class Condition(_Camel):
+    model_config = ConfigDict(extra="ignore")
+    type: str = Field(max_length=316)
+    status: ConditionStatus
+    reason: str = Field("", max_length=1024)
+    message: str = Field("", max_length=32768)
+    last_transition_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    observed_generation: int | None = None
+
+
+class EngineStatus(_Camel):
+    """Engine settings in force in the serving pod template."""
+
+    model_config = ConfigDict(extra="ignore")
+    max_num_seqs: int | None = Field(None, alias=names.MAX_NUM_SEQS.crd_field)
+    kv_cache_dtype: str | None = Field(None, alias=names.KV_CACHE_DTYPE.crd_field)
+    max_num_batched_tokens: int | None = Field(None, alias=names.MAX_NUM_BATCHED_TOKENS.crd_field)
+    max_model_len: int | None = Field(None, alias=names.MAX_MODEL_LEN.crd_field)
+    preemption_mode: str | None = Field(None, alias=names.PREEMPTION_MODE.crd_field)
+    block_size: int | None = Field(None, alias=names.BLOCK_SIZE.crd_field)
+    gpu_memory_utilization: float | None = Field(None, alias=names.GPU_MEMORY_UTILIZATION.crd_field)
+    swap_space_gib: float | None = Field(None, alias=names.SWAP_SPACE.crd_field)
+
+
+class InferenceServiceStatus(_Camel):
+    model_config = ConfigDict(extra="ignore")
+    observed_generation: int | None = None
+    replicas: int | None = None
+    """Pods of the serving Deployment (the scale subresource's status replicas)."""
+    ready_replicas: int | None = None
+    updated_replicas: int | None = None
+    selector: str | None = None
+    """Label selector of the serving pods (the scale subresource's selector)."""
+    url: str | None = None
+    """In-cluster base URL: the Service's cluster DNS name and port."""
+    image: str | None = None
+    """The server image in force."""
+    engine: EngineStatus | None = None
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+    )
+    metrics: Opaque | None = None
+    """Windowed per-service metrics (written by the autoscaler and tuner loops)."""
+    autoscaling: Opaque | None = None
+    """The autoscaler's latest decision and its reason."""
+    tuning: Opaque | None = None
+    """The tuner's latest decision, its reason and a bounded history."""
+
+
+# --------------------------------------------------------------------------- parsing
+
+# The object's name names its Service, so it must be a DNS-1035 label.
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_MAX = 63
+NAME_RULE = {
+    "rule": f"size(self.metadata.name) <= {NAME_MAX} && self.metadata.name.matches('{NAME_PATTERN}')",
+    "message": "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', "
+    f"starting with a letter, at most {NAME_MAX} characters): it names the Service",
+}
+
+
+def check_name(name: str) -> None:
+    if len(name) > NAME_MAX or not re.match(NAME_PATTERN, name):
+        raise SpecError(NAME_RULE["message"])
+
+
+class SpecError(ValueError):
+    """A spec that does not validate; ``str()`` is one line per problem, with field paths."""
+
+
+def parse_spec(spec: dict | None) -> InferenceServiceSpec:
+    try:
+        return InferenceServiceSpec.model_validate(dict(spec or {}))
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"spec.{loc}: {msg}" if loc else f"spec: {msg}")
+        raise SpecError("; ".join(lines)) from None
+
+
+# --------------------------------------------------------------------------- schema walker
+
+
+def _schema_for(annotation: Any, metadata: list, extra: dict | None) -> dict:
+    hinted = any(isinstance(m, K8sSchema) for m in metadata)
+    out = {} if hinted else _schema_for_type(annotation)
+    for m in metadata:
+        out.update(_constraint(m, out))
+    if extra:
+        out.update(extra)
+    return out
+
+
+def _constraint(m: Any, out: dict) -> dict:
+    is_array = out.get("type") == "array"
+    is_object = out.get("type") == "object"
+    match m:
+        case annotated_types.Ge(ge=v):
+            return {"minimum": v}
+        case annotated_types.Le(le=v):
+            return {"maximum": v}
+        case annotated_types.Gt(gt=v):
+            return {"minimum": v, "exclusiveMinimum": True}
+        case annotated_types.Lt(lt=v):
+            return {"maximum": v, "exclusiveMaximum": True}
+        case annotated_types.MinLen(min_length=v):
+            key = "minItems" if is_array else "minProperties" if is_object else "minLength"
+            return {key: v}
+        case annotated_types.MaxLen(max_length=v):
+            key = "maxItems" if is_array else "maxProperties" if is_object else "maxLength"
+            return {key: v}
+        case K8sSchema(schema=s):
+            return dict(s)
+    pattern = getattr(m, "pattern", None)
+    if pattern is not None:
+        return {"pattern": pattern}
+    raise TypeError(f"unsupported constraint in the CRD schema: {m!r}")
+
+
+def _schema_for_type(tp: Any) -> dict:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Annotated:
+        base, *meta = args
+        flat = []
+        for m in meta:  # Annotated[str, Field(...)] carries a FieldInfo
+            flat.extend(m.metadata if isinstance(m, FieldInfo) else [m])
+        return _schema_for(base, flat, None)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1:
+            raise TypeError(f"unions other than Optional need a K8sSchema hint: {tp!r}")
+        return _schema_for_type(rest[0])
+    if origin is Literal:
+        kinds = {type(a) for a in args}
+        if kinds == {str}:
+            return {"type": "string", "enum": list(args)}
+        if kinds == {int}:
+            return {"type": "integer", "enum": list(args)}
+        raise TypeError(f"mixed Literal: {tp!r}")
+    if origin is list:
+        return {"type": "array", "items": _schema_for_type(args[0])}
+    if origin is dict:
+        if args[0] is not str:
+            raise TypeError(f"map keys must be str: {tp!r}")
+        if args[1] is Any:
+            return {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+        return {"type": "object", "additionalProperties": _schema_for_type(args[1])}
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return model_schema(tp)
+    simple = {bool: "boolean", int: "integer", float: "number", str: "string"}
+    if tp in simple:
+        return {"type": simple[tp]}
+    raise TypeError(f"unsupported type in the CRD schema: {tp!r}")
+
+
+def _prune_empty(value: Any) -> Any:
+    if isinstance(value, dict):
+        pruned = {k: _prune_empty(v) for k, v in value.items()}
+        return {k: v for k, v in pruned.items() if v not in ({}, [])}
+    return value
+
+
+def _is_model(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
+def model_schema(model: type[BaseModel]) -> dict:
+    """The structural OpenAPI v3 schema of a pydantic model (no $ref, no nulls)."""
+    props: dict[str, dict] = {}
+    required: list[str] = []
+    for name, info in model.model_fields.items():
+        key = info.alias or name
+        extra = info.json_schema_extra
+        schema = _schema_for(info.annotation, list(info.metadata), extra)  # type: ignore[arg-type]
+        if info.description:  # the field's docstring wins over its type's
+            schema = {"description": " ".join(info.description.split())} | {
+                k: v for k, v in schema.items() if k != "description"
+            }
+        if info.default is not PydanticUndefined and info.default is not None:
+            schema["default"] = info.default
+        elif info.default_factory is not None and _is_model(info.default_factory):
+            # Expanded: the API server checks a default against the CEL rules as it stands,
+            # before nested defaulting.
+            schema["default"] = _prune_empty(info.default_factory().to_api())
+        elif info.is_required():
+            required.append(key)
+        props[key] = schema
+    out: dict[str, Any] = {}
+    doc = model.__dict__.get("__doc__")
+    if doc:
+        out["description"] = " ".join(doc.split())
+    out["type"] = "object"
+    out["properties"] = props
+    if required:
+        out["required"] = required
+    rules = getattr(model, "rules", ())
+    if rules:
+        out["x-kubernetes-validations"] = [
+            {"rule": r.cel, "message": r.message}
+            | ({"fieldPath": r.field_path} if r.field_path else {})
+            for r in rules
+        ]
+    return out
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+def printer_columns() -> list[dict]:
+    return [
+        {
+            "name": "Ready",
+            "type": "string",
+            "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+        },
+        {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
+        {"name": "MaxNumSeqs", "type": "integer", "jsonPath": ".status.engine.maxNumSeqs"},
+        {"name": "KV", "type": "string", "jsonPath": ".status.engine.kvCacheDtype"},
+        {"name": "URL", "type": "string", "jsonPath": ".status.url"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+
+def crd_manifest() -> dict:
+    """The InferenceService CustomResourceDefinition."""
+    spec_schema = model_schema(InferenceServiceSpec)
+    status_schema = model_schema(InferenceServiceStatus)
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": CRD_NAME,
+            "labels": {
+                "app.kubernetes.io/name": "batchpilot",
+                "app.kubernetes.io/part-of": "batchpilot",
+            },
+        },
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": list(SHORT_NAMES),
+                "categories": ["batchpilot"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "description": "An OpenAI-compatible LLM inference service: a "
+                            "Deployment of batchpilot servers that the operator scales and tunes.",
+                            "type": "object",
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": {
+                                    **spec_schema,
+                                    "default": _prune_empty(InferenceServiceSpec().to_api()),
+                                },
+                                "status": status_schema,
+                            },
+                            "x-kubernetes-validations": [NAME_RULE],
+                        }
+                    },
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
+                    "additionalPrinterColumns": printer_columns(),
+                }
+            ],
+        },
+    }
+
+
+def peering_crds() -> list[dict]:
+    """Kopf's peering CRDs: an operator with --peering keeps a standby replica paused."""
+    out = []
+    for scope, kind, plural in (
+        ("Cluster", "ClusterKopfPeering", "clusterkopfpeerings"),
+        ("Namespaced", "KopfPeering", "kopfpeerings"),
+    ):
+        out.append(
+            {
+                "apiVersion": "apiextensions.k8s.io/v1",
+                "kind": "CustomResourceDefinition",
+                "metadata": {"name": f"{plural}.kopf.dev"},
+                "spec": {
+                    "scope": scope,
+                    "group": "kopf.dev",
+                    "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+                    "versions": [
+                        {
+                            "name": "v1",
+                            "served": True,
+                            "storage": True,
+                            "schema": {
+                                "openAPIV3Schema": {
+                                    "type": "object",
+                                    "properties": {
+                                        "status": {
+                                            "type": "object",
+                                            "x-kubernetes-preserve-unknown-fields": True,
+                                        }
+                                    },
+                                }
+                            },
+                        }
+                    ],
+                },
+            }
+        )
+    return out
+
+
+_HEADER = "# Generated by `batchpilot operator crds` from operator/crd.py. Do not edit.\n"
+
+
+def render(manifests: dict | list[dict]) -> str:
+    docs = manifests if isinstance(manifests, list) else [manifests]
+    docs = json.loads(json.dumps(docs))  # no shared sub-dicts: YAML without anchors
+    body = "---\n".join(yaml.safe_dump(d, sort_keys=False, width=100) for d in docs)
+    return _HEADER + body
+
+
+def rendered_files() -> dict[str, str]:
+    """File name -> content of everything under crds/."""
+    return {
+        CRD_FILE: render(crd_manifest()),
+        "kopf-peering.yaml": render(peering_crds()),
+    }
+
+
+def write_crds(directory: Path) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in rendered_files().items():
+        path = directory / name
+        path.write_text(text)
+        written.append(path)
+    return written

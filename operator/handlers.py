@@ -1,0 +1,405 @@
+"""Thin kopf handlers around the pure builders (resources.py) and status (status.py).
+
+One idempotent function, ``Reconciler.reconcile``, does all the work for an
+InferenceService: validate the spec, build the children, server-side apply them under one
+field manager, and write the status. It runs on create, update and resume, on a timer
+every ``reconcile_interval`` (drift correction), and when a child is deleted or edited by
+hand (watch events). A Deployment's status changes refresh the owner's status only.
+
+Handlers are built per config by ``make_registry(config)``: ``batchpilot operator`` passes
+the registry to ``kopf.run``; tests pass it to ``kopf.testing.KopfRunner``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import json
+import logging
+import secrets
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from batchpilot.operator import resources, status
+from batchpilot.operator.config import FIELD_MANAGER, FINALIZER, OperatorConfig
+from batchpilot.operator.crd import (
+    GROUP,
+    KIND,
+    PLURAL,
+    VERSION,
+    InferenceServiceSpec,
+    SpecError,
+    check_name,
+    parse_spec,
+)
+from batchpilot.operator.kube import ApiException, Kube, load_configuration, new_api_client
+from batchpilot.operator.resources import LoopState, Owner
+from batchpilot.operator.status import Problem
+
+log = logging.getLogger("batchpilot.operator")
+
+# Apply errors that retrying the same spec will not fix: they become Degraded, not retries.
+# 422: the API server rejected a child built from the spec; 400/403: a malformed request or
+# missing RBAC. Anything else (409 on a concurrent change, 5xx, timeouts) is retried by kopf.
+_PERMANENT_APPLY_STATUSES = {
+    422: status.INVALID_SPEC,
+    400: status.APPLY_FAILED,
+    403: status.APPLY_FAILED,
+}
+
+
+def plain(body: Any) -> dict:
+    """A kopf Body (a live view) as a plain, detached dict."""
+    return json.loads(
+        json.dumps(body, default=lambda o: dict(o) if isinstance(o, Mapping) else str(o))
+    )
+
+
+def _controller_owner(body: Mapping) -> tuple[str, str] | None:
+    """(namespace, name) of the InferenceService controlling this child, if any."""
+    for ref in body.get("metadata", {}).get("ownerReferences") or []:
+        ours = ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP + "/")
+        if ours and ref.get("controller"):
+            return body["metadata"]["namespace"], ref["name"]
+    return None
+
+
+def _api_message(e: ApiException) -> str:
+    try:
+        return json.loads(e.body or "{}").get("message") or str(e.reason)
+    except (ValueError, AttributeError):
+        return f"{e.status} {e.reason}"
+
+
+class Reconciler:
+    def __init__(self, config: OperatorConfig, kube: Kube | None = None):
+        self.config = config
+        self._kube = kube
+        self._locks: dict[tuple[str, str], threading.RLock] = {}
+        self._locks_guard = threading.Lock()
+        # What the last apply wrote, per (namespace, kind, name) of each child: a watch event
+        # that does not match it means someone else changed the child. For Deployments the
+        # generation is compared (the server normalizes pod templates).
+        self._desired: dict[tuple[str, str, str], dict] = {}
+        self._applied_generation: dict[tuple[str, str], int] = {}
+
+    @property
+    def kube(self) -> Kube:
+        if self._kube is None:
+            self._kube = Kube(new_api_client(), FIELD_MANAGER)
+        return self._kube
+
+    def _lock(self, namespace: str, name: str) -> threading.RLock:
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, name), threading.RLock())
+
+    # ------------------------------------------------------------------ the reconcile
+
+    def reconcile(self, body: dict, logger: logging.Logger | logging.LoggerAdapter = log) -> None:
+        meta = body["metadata"]
+        self.reconcile_by_name(meta["namespace"], meta["name"], logger)
+
+    def reconcile_by_name(self, namespace: str, name: str, logger=log) -> None:
+        """Reconcile the object as it is now. Calls for one object are serialized, and each
+        reads the object afresh inside the lock: the status it starts from is the one the
+        previous call wrote, whatever the trigger's copy said."""
+        with self._lock(namespace, name):
+            body = self.kube.read_isvc(namespace, name)
+            if body is None:
+                self._forget(namespace, name)
+                return
+            if body["metadata"].get("deletionTimestamp"):
+                return  # owner references and the garbage collector remove the children
+            self._reconcile(body, logger)
+
+    def _forget(self, namespace: str, name: str) -> None:
+        """Drop what is remembered about a deleted InferenceService's children."""
+        self._applied_generation.pop((namespace, name), None)
+        for key in [k for k in self._desired if k[0] == namespace]:
+            if _controller_owner(self._desired[key]) == (namespace, name):
+                del self._desired[key]
+
+    def _reconcile(self, body: dict, logger) -> None:
+        meta = body["metadata"]
+        ns, name, generation = meta["namespace"], meta["name"], meta.get("generation", 1)
+        prev = body.get("status") or {}
+        owner = Owner.from_body(body)
+        url = None
+        deployment = None
+        spec, problem = self._check(body, ns)
+        if spec is not None and problem is None:
+            token = self._admin_token(owner)
+            children = resources.build_children(
+                owner,
+                spec,
+                image=spec.image or self.config.server_image,
+                admin_token=token,
+                loops=LoopState.from_status(prev),
+            )
+            try:
+                # A dry run of the Deployment first: the API server validates the pass-through
+                # fields (affinity, volumes, env) before any child exists, so a bad spec never
+                # leaves half-built children.
+                self.kube.apply(children[-1], dry_run=True)
+                applied = [self._apply(child, logger) for child in children]
+            except ApiException as e:
+                if e.status not in _PERMANENT_APPLY_STATUSES:
+                    raise  # transient: kopf retries with backoff
+                problem = Problem(
+                    _PERMANENT_APPLY_STATUSES[e.status],
+                    f"the API server rejected a child: {_api_message(e)}",
+                )
+            else:
+                for child in children:
+                    self._desired[(ns, child["kind"], child["metadata"]["name"])] = child
+                deployment = applied[-1]
+                self._applied_generation[(ns, name)] = deployment["metadata"]["generation"]
+                url = resources.service_url(name, ns, self.config.cluster_domain)
+        if problem is not None:
+            deployment = self.kube.read("apps/v1", "Deployment", ns, name)
+            if deployment is not None:
+                url = prev.get("url")
+        new = status.compute_status(
+            name=name,
+            generation=generation,
+            prev=prev,
+            deployment=deployment,
+            problem=problem,
+            url=url,
+        )
+        self._write_status(body, prev, new, problem, logger)
+
+    def _apply(self, child: dict, logger) -> dict:
+        live = self.kube.apply(child)
+        others = resources.foreign_managers(live, self.kube.field_manager)
+        if others:
+            # Server-side apply forced our fields back but kept what others added: replace
+            # the declared parts wholesale (a 409 on a concurrent change retries via kopf).
+            logger.info(
+                "%s %s: dropping changes by %s",
+                child["kind"],
+                child["metadata"]["name"],
+                ", ".join(sorted(set(others))),
+            )
+            live = self.kube.replace(resources.restored(live, child))
+        return live
+
+    def _check(self, body: dict, ns: str) -> tuple[InferenceServiceSpec | None, Problem | None]:
+        """The parsed spec and its first problem, cheapest checks first: the schema (again,
+        in case the installed CRD is older than this operator), the rules the schema cannot
+        express, then references to other objects."""
+        try:
+            check_name(body["metadata"]["name"])
+            spec = parse_spec(body.get("spec"))
+        except SpecError as e:
+            return None, Problem(status.INVALID_SPEC, str(e))
+        problems = resources.spec_problems(spec)
+        if problems:
+            return spec, Problem(status.INVALID_SPEC, "; ".join(problems))
+        claim = resources.plan_model(spec).pvc
+        if claim and not self.kube.pvc_exists(ns, claim):
+            return spec, Problem(
+                status.MODEL_SOURCE_NOT_FOUND,
+                f"model source {spec.model.source}: PersistentVolumeClaim "
+                f"{claim!r} not found in namespace {ns!r}",
+            )
+        sa = spec.pod.service_account_name
+        if sa and not self.kube.service_account_exists(ns, sa):
+            return spec, Problem(
+                status.SERVICE_ACCOUNT_NOT_FOUND,
+                f"spec.pod.serviceAccountName: ServiceAccount {sa!r} not found in namespace {ns!r}",
+            )
+        return spec, None
+
+    def _admin_token(self, owner: Owner) -> str:
+        """The token in the owned Secret, or a new one when there is none (first reconcile,
+        or the Secret was deleted: the pods then roll to the new token)."""
+        secret = self.kube.read("v1", "Secret", owner.namespace, resources.secret_name(owner.name))
+        if secret is not None:
+            raw = (secret.get("data") or {}).get(resources.SECRET_TOKEN_KEY)
+            try:
+                token = base64.b64decode(raw or "", validate=True).decode()
+            except (binascii.Error, UnicodeDecodeError):
+                token = ""
+            if token:
+                return token
+        return secrets.token_urlsafe(32)
+
+    def _write_status(
+        self, body: dict, prev: dict, new: dict, problem: Problem | None, logger
+    ) -> None:
+        meta = body["metadata"]
+        if any(prev.get(k) != v for k, v in new.items()):
+            self.kube.patch_isvc_status(meta["namespace"], meta["name"], new)
+        was = status.find_condition(prev, status.DEGRADED) or {}
+        now = status.find_condition(new, status.DEGRADED) or {}
+        if now.get("status") == "True" and (
+            was.get("status") != "True" or was.get("message") != now.get("message")
+        ):
+            logger.warning("Degraded (%s): %s", now.get("reason"), now.get("message"))
+            _post(body, "Warning", now["reason"], now["message"])
+        if problem is None and prev.get("observedGeneration") != new["observedGeneration"]:
+            engine = new.get("engine") or {}
+            message = (
+                f"generation {new['observedGeneration']}: image {new.get('image')}, "
+                + ", ".join(f"{k}={v}" for k, v in sorted(engine.items()))
+            )
+            logger.info("Applied %s", message)
+            _post(body, "Normal", "Applied", message)
+
+    # ------------------------------------------------------------------ child events
+
+    def on_deployment_event(self, event_type: str | None, dep: dict, logger=log) -> None:
+        owner = _controller_owner(dep)
+        if owner is None:
+            return
+        ns, name = owner
+        if event_type == "DELETED":
+            logger.info("Deployment deleted by someone else: restoring it")
+            self.reconcile_by_name(ns, name, logger)
+            return
+        with self._lock(ns, name):  # after any reconcile in flight has recorded its apply
+            applied = self._applied_generation.get(owner)
+            generation = dep["metadata"].get("generation", 0)
+            if applied is not None and generation < applied:
+                return  # a stale event: the one for our latest apply follows
+            desired = self._desired.get((ns, "Deployment", dep["metadata"]["name"]))
+            if (applied is not None and generation != applied) or (
+                desired is not None and resources.drifted(desired, dep)
+            ):
+                logger.info("Deployment changed by someone else: restoring it")
+                self.reconcile_by_name(ns, name, logger)
+                return
+            self._refresh_status(ns, name, dep)
+
+    def _refresh_status(self, ns: str, name: str, dep: dict) -> None:
+        """Status from a Deployment event: replicas and conditions only; a spec problem
+        found by the last reconcile of this generation is kept."""
+        body = self.kube.read_isvc(ns, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        generation = body["metadata"].get("generation", 1)
+        prev = body.get("status") or {}
+        new = status.compute_status(
+            name=name,
+            generation=generation,
+            prev=prev,
+            deployment=dep,
+            problem=status.kept_problem(prev, generation),
+            url=prev.get("url"),
+        )
+        if any(prev.get(k) != v for k, v in new.items()):
+            self.kube.patch_isvc_status(ns, name, new)
+
+    def on_child_event(self, event_type: str | None, child: dict, logger=log) -> None:
+        owner = _controller_owner(child)
+        if owner is None or event_type not in ("DELETED", "MODIFIED"):
+            return
+        meta = child["metadata"]
+        desired = self._desired.get((meta["namespace"], child["kind"], meta["name"]))
+        if event_type == "DELETED" or desired is None or resources.drifted(desired, child):
+            logger.info(
+                "%s %s by someone else: restoring it",
+                child["kind"],
+                "deleted" if event_type == "DELETED" else "changed",
+            )
+            self.reconcile_by_name(*owner, logger)
+
+
+def _post(body: dict, type_: str, reason: str, message: str) -> None:
+    # Outside a running operator (unit tests) there is nothing to post through.
+    with contextlib.suppress(LookupError):
+        kopf.event(body, type=type_, reason=reason, message=message[:1024])
+
+
+def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
+    # Watches: the server ends each watch cleanly before the client gives up on it, a dead
+    # connection is noticed by the client timeout, and reconnects back off a little.
+    settings.watching.server_timeout = 270
+    settings.watching.client_timeout = 300
+    settings.watching.connect_timeout = 10
+    settings.watching.reconnect_backoff = 1.0
+    settings.networking.request_timeout = 60
+    settings.networking.connect_timeout = 10
+    # Children are watched through a server-side label selector: only the operator's own.
+    for resource in (("apps", "deployments"), "services", ("policy", "poddisruptionbudgets")):
+        settings.watching.label_selectors[resource] = resources.MANAGED_SELECTOR
+    # Kopf's bookkeeping lives in batchpilot.dev annotations, never in our status.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    # Only timers need a finalizer (deletion is left to owner references): name it.
+    settings.persistence.finalizer = FINALIZER
+    settings.posting.level = logging.WARNING  # no "handler succeeded" event noise
+    settings.posting.reporting_component = FIELD_MANAGER
+    settings.execution.max_workers = 16
+    settings.peering.stealth = True
+
+
+def connection_info(c: Any, settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
+    """Kopf's credentials from the same client configuration the handlers use."""
+    header = c.get_api_key_with_prefix("BearerToken") or c.get_api_key_with_prefix("authorization")
+    scheme, _, token = (header or "").rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=c.host,
+        ca_path=c.ssl_ca_cert,
+        insecure=not c.verify_ssl,
+        username=c.username or None,
+        password=c.password or None,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=c.cert_file,
+        private_key_path=c.key_file,
+        trust_env=settings.networking.trust_env,
+    )
+
+
+def make_registry(
+    config: OperatorConfig, reconciler: Reconciler | None = None
+) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    rec = reconciler or Reconciler(config)
+    isvc = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+    managed = {resources.LABEL_MANAGED_BY: resources.MANAGED_BY}
+
+    @kopf.on.startup(id="configure", registry=registry)
+    def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure_settings(settings, config)
+
+    @kopf.on.login(id="login", registry=registry)
+    def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+        return connection_info(load_configuration(), settings)
+
+    @kopf.on.resume(**isvc, id="reconcile", backoff=5)
+    @kopf.on.create(**isvc, id="reconcile", backoff=5)
+    @kopf.on.update(**isvc, id="reconcile", backoff=5)
+    def on_change(namespace: str, name: str, logger: Any, **_: Any) -> None:
+        rec.reconcile_by_name(namespace, name, logger)
+
+    @kopf.timer(
+        **isvc,
+        id="resync",
+        interval=config.reconcile_interval,
+        initial_delay=config.reconcile_interval,
+        backoff=5,
+    )
+    def resync(namespace: str, name: str, logger: Any, **_: Any) -> None:
+        rec.reconcile_by_name(namespace, name, logger)
+
+    @kopf.on.event("apps", "v1", "deployments", id="deployment", labels=managed, registry=registry)
+    def deployment_event(event: dict, body: kopf.Body, logger: Any, **_: Any) -> None:
+        rec.on_deployment_event(event.get("type"), plain(body), logger)
+
+    @kopf.on.event("", "v1", "services", id="child", labels=managed, registry=registry)
+    @kopf.on.event(
+        "policy", "v1", "poddisruptionbudgets", id="child", labels=managed, registry=registry
+    )
+    def child_event(event: dict, body: kopf.Body, logger: Any, **_: Any) -> None:
+        rec.on_child_event(event.get("type"), plain(body), logger)
+
+    return registry

@@ -1,0 +1,44 @@
+"""The permissions `batchpilot operator` needs, as ClusterRole rules (one source for the Helm
+chart and the RBAC test, tests/integration/test_operator_cluster.py, which runs the operator
+as a ServiceAccount bound to exactly these)."""
+
+from __future__ import annotations
+
+from batchpilot.operator.crd import GROUP, PLURAL
+
+CHILD_VERBS = ["get", "list", "watch", "create", "patch", "update"]
+
+RULES: list[dict] = [
+    # The InferenceServices: kopf watches them, keeps its annotations and finalizer on them,
+    # and the operator writes their status. Owner references with blockOwnerDeletion need
+    # update on the finalizers subresource.
+    {"apiGroups": [GROUP], "resources": [PLURAL],
+     "verbs": ["get", "list", "watch", "patch", "update"]},
+    {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch", "update"]},
+    {"apiGroups": [GROUP], "resources": [f"{PLURAL}/finalizers"], "verbs": ["update"]},
+    # The children, applied server-side; Secrets are read and written, never listed.
+    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": CHILD_VERBS},
+    {"apiGroups": [""], "resources": ["services"], "verbs": CHILD_VERBS},
+    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": CHILD_VERBS},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch", "update"]},
+    # Checked before building: the model's claim and the pods' ServiceAccount exist.
+    {"apiGroups": [""], "resources": ["persistentvolumeclaims", "serviceaccounts"],
+     "verbs": ["get"]},
+    # Events on the InferenceServices.
+    {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+    # Kopf: peering between replicas, namespace globs, and discovery of the CRDs it serves.
+    {"apiGroups": ["kopf.dev"], "resources": ["kopfpeerings", "clusterkopfpeerings"],
+     "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+     "verbs": ["get", "list", "watch"]},
+]  # fmt: skip
+
+
+def cluster_role(name: str = "batchpilot-operator") -> dict:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": name},
+        "rules": RULES,
+    }

@@ -1,0 +1,786 @@
+"""The operator against the real loopback control plane (the `k8s` fixture): the CRD as the
+API server enforces it, and kopf handlers run with kopf.testing.KopfRunner, one namespace per
+test. kwok marks pods Running and Ready; nothing serves on their IPs."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kopf.testing import KopfRunner
+from kubernetes import client
+
+from batchpilot.operator.config import OperatorConfig
+from batchpilot.operator.crd import GROUP, PLURAL, VERSION
+from batchpilot.operator.handlers import Reconciler, make_registry
+from batchpilot.operator.kube import Kube, new_api_client
+from batchpilot.operator.resources import MANAGED_SELECTOR
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGE = "example.invalid/batchpilot-server:test"
+INTERVAL = 2.0  # the reconcile interval the tests run the operator with
+
+
+def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60, interval: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+        except client.ApiException as e:
+            if e.status != 404:
+                raise
+            last = None
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+@pytest.fixture(scope="session")
+def crds(k8s) -> None:
+    """The generated CRDs, installed once and Established."""
+    k8s.run_kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    k8s.run_kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
+
+
+class Api:
+    """Typed clients plus helpers for one namespace."""
+
+    def __init__(self, k8s, namespace: str):
+        self.k8s, self.ns = k8s, namespace
+        self.core = client.CoreV1Api(k8s.api)
+        self.apps = client.AppsV1Api(k8s.api)
+        self.policy = client.PolicyV1Api(k8s.api)
+        self.custom = client.CustomObjectsApi(k8s.api)
+
+    def create(self, name: str, spec: dict, *, retry_404: bool = True) -> dict:
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "InferenceService",
+            "metadata": {"name": name},
+            "spec": spec,
+        }
+        deadline = time.monotonic() + 15
+        while True:  # the CRD's REST mapping can lag Established by a moment
+            try:
+                return self.custom.create_namespaced_custom_object(
+                    GROUP, VERSION, self.ns, PLURAL, body
+                )
+            except client.ApiException as e:
+                if e.status != 404 or not retry_404 or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def get(self, name: str) -> dict:
+        return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
+
+    def patch(self, name: str, spec: dict) -> dict:
+        return self.custom.patch_namespaced_custom_object(
+            GROUP,
+            VERSION,
+            self.ns,
+            PLURAL,
+            name,
+            {"spec": spec},
+            _content_type="application/merge-patch+json",
+        )
+
+    def delete(self, name: str) -> None:
+        self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
+
+    def condition(self, name: str, type_: str) -> dict:
+        for c in self.get(name).get("status", {}).get("conditions", []):
+            if c["type"] == type_:
+                return c
+        return {}
+
+    def ready(self, name: str) -> dict | None:
+        st = self.get(name).get("status", {})
+        c = {c["type"]: c for c in st.get("conditions", [])}
+        done = (
+            c.get("Ready", {}).get("status") == "True"
+            and c.get("Progressing", {}).get("status") == "False"
+            and st.get("observedGeneration") == self.get(name)["metadata"]["generation"]
+        )
+        return st if done else None
+
+    def children(self) -> dict[str, list]:
+        """Everything the operator manages in the namespace, by kind."""
+        sel = MANAGED_SELECTOR
+        return {
+            "Deployment": self.apps.list_namespaced_deployment(self.ns, label_selector=sel).items,
+            "Service": self.core.list_namespaced_service(self.ns, label_selector=sel).items,
+            "PodDisruptionBudget": self.policy.list_namespaced_pod_disruption_budget(
+                self.ns, label_selector=sel
+            ).items,
+            "Secret": self.core.list_namespaced_secret(self.ns, label_selector=sel).items,
+        }
+
+    def token(self, name: str) -> str:
+        secret = self.core.read_namespaced_secret(f"{name}-admin-token", self.ns)
+        return base64.b64decode(secret.data["token"]).decode()
+
+
+@pytest.fixture
+def api(k8s, namespace, crds) -> Api:
+    return Api(k8s, namespace)
+
+
+@pytest.fixture
+def kubeconfig_env(k8s, monkeypatch):
+    """The operator (kopf's login and our client) finds the cluster through $KUBECONFIG."""
+    monkeypatch.setenv("KUBECONFIG", k8s.kubeconfig)
+    for var in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@contextlib.contextmanager
+def operator(
+    api: Api, reconciler: Reconciler | None = None, cleanup: bool = True
+) -> Iterator[KopfRunner]:
+    config = OperatorConfig(server_image=IMAGE, reconcile_interval=INTERVAL)
+    registry = make_registry(config, reconciler or Reconciler(config))
+    args = ["run", "--standalone", "--verbose", "-n", api.ns]
+    with KopfRunner(args, registry=registry, timeout=60) as runner:
+        try:
+            yield runner
+        finally:
+            if cleanup:  # while the operator runs, so that kopf releases its finalizer
+                items = api.custom.list_namespaced_custom_object(GROUP, VERSION, api.ns, PLURAL)
+                for item in items["items"]:
+                    with contextlib.suppress(client.ApiException):
+                        api.delete(item["metadata"]["name"])
+                wait_for(
+                    "InferenceServices to be deleted",
+                    lambda: (
+                        not api.custom.list_namespaced_custom_object(
+                            GROUP, VERSION, api.ns, PLURAL
+                        )["items"]
+                    ),
+                    timeout=30,
+                )
+    assert runner.exception is None, runner.output
+
+
+def owner_uid(obj: Any) -> tuple[str, str, bool, bool]:
+    (ref,) = obj.metadata.owner_references
+    return ref.kind, ref.uid, ref.controller, ref.block_owner_deletion
+
+
+# --------------------------------------------------------------------------- API server
+
+
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        (
+            {"engine": {"maxNumSeqs": 0}},
+            "spec.engine.maxNumSeqs: Invalid value: 0: spec.engine.maxNumSeqs in body should be greater than or equal to 1",
+        ),
+        (
+            {"engine": {"maxNumSeqs": 5000}},
+            "spec.engine.maxNumSeqs in body should be less than or equal to 4096",
+        ),
+        (
+            {"engine": {"kvCacheDtype": "int4"}},
+            'spec.engine.kvCacheDtype: Unsupported value: "int4"',
+        ),
+        (
+            {"engine": {"gpuMemoryUtilization": 1.5}},
+            "spec.engine.gpuMemoryUtilization in body should be less than or equal to 0.99",
+        ),
+        (
+            {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}},
+            "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
+        ),
+        (
+            {"tuning": {"maxNumSeqs": {"min": 300, "max": 100}}},
+            "tuning.maxNumSeqs.min must be <= tuning.maxNumSeqs.max",
+        ),
+        (
+            {
+                "tuning": {"enabled": True, "maxNumSeqs": {"min": 8, "max": 32}},
+                "engine": {"maxNumSeqs": 64},
+            },
+            "engine.maxNumSeqs must lie within tuning.maxNumSeqs.min..max",
+        ),
+        (
+            {
+                "engine": {
+                    "enableChunkedPrefill": False,
+                    "maxModelLen": 8192,
+                    "maxNumBatchedTokens": 2048,
+                }
+            },
+            "maxNumBatchedTokens must be >= maxModelLen",
+        ),
+        ({"model": {"source": "s3://bucket/llama"}}, "spec.model.source in body should match"),
+        (
+            {"resources": {"limits": {"nvidia.com/gpu": "lots"}}},
+            'spec.resources.limits.nvidia.com/gpu: Invalid value: "lots"',
+        ),
+        (
+            {"replicas": "two"},
+            'spec.replicas: Invalid value: "string": spec.replicas in body must be of type integer',
+        ),
+    ],
+)
+def test_invalid_specs_are_rejected_by_the_api_server(api, spec, needle):
+    with pytest.raises(client.ApiException) as e:
+        api.create("bad", spec)
+    assert e.value.status == 422, e.value.body
+    status = json.loads(e.value.body)
+    assert status["reason"] == "Invalid"
+    assert needle in status["message"], status["message"]
+
+
+def test_invalid_name_and_kubectl_message(api, k8s):
+    with pytest.raises(client.ApiException) as e:
+        api.create("x" * 64, {})
+    assert "metadata.name must be a DNS-1035 label" in json.loads(e.value.body)["message"]
+    manifest = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "InferenceService",
+        "metadata": {"name": "bad", "namespace": api.ns},
+        "spec": {"engine": {"maxNumSeqs": 9999, "kvCacheDtype": "fp4"}},
+    }
+    proc = k8s.run_kubectl("apply", "-f", "-", input=json.dumps(manifest), check=False)
+    assert proc.returncode != 0
+    assert "spec.engine.maxNumSeqs" in proc.stderr and "spec.engine.kvCacheDtype" in proc.stderr
+
+
+def test_defaults_and_examples_are_accepted(api, k8s):
+    created = api.create("defaults", {})
+    spec = created["spec"]
+    assert spec["engine"]["maxNumSeqs"] == 64 and spec["engine"]["kvCacheDtype"] == "auto"
+    assert spec["autoscaling"]["maxReplicas"] == 4 and spec["tuning"]["maxNumSeqs"]["max"] == 256
+    assert spec["replicas"] == 1 and spec["model"]["source"] == "bundled"
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        proc = k8s.run_kubectl("apply", "--dry-run=server", "-n", api.ns, "-f", str(path))
+        assert "created (server dry run)" in proc.stdout, proc.stdout
+    api.delete("defaults")  # no operator ran: no finalizer to wait for
+
+
+# --------------------------------------------------------------------------- the operator
+
+
+def test_create_children_owners_ready_and_url(api, k8s, kubeconfig_env):
+    with operator(api):
+        isvc = api.create(
+            "chat", {"engine": {"maxNumSeqs": 32}, "resources": {"limits": {"nvidia.com/gpu": 1}}}
+        )
+        uid = isvc["metadata"]["uid"]
+        st = wait_for("Ready=True", lambda: api.ready("chat"))
+        assert st["url"] == f"http://chat.{api.ns}.svc.cluster.local:8000"
+        assert st["engine"]["maxNumSeqs"] == 32 and st["engine"]["kvCacheDtype"] == "auto"
+        assert st["image"] == IMAGE and st["readyReplicas"] == 1 and st["replicas"] == 1
+        kids = api.children()
+        assert {k: [o.metadata.name for o in v] for k, v in kids.items()} == {
+            "Deployment": ["chat"],
+            "Service": ["chat"],
+            "PodDisruptionBudget": ["chat"],
+            "Secret": ["chat-admin-token"],
+        }
+        for objs in kids.values():
+            assert owner_uid(objs[0]) == ("InferenceService", uid, True, True)
+            assert objs[0].metadata.labels["batchpilot.dev/service"] == "chat"
+        assert len(api.token("chat")) >= 32
+        # The GPU pod landed on the fake GPU node and is Ready.
+        (pod,) = api.core.list_namespaced_pod(
+            api.ns, label_selector="batchpilot.dev/service=chat"
+        ).items
+        assert pod.spec.node_name in k8s.node_names and pod.status.phase == "Running"
+        assert pod.spec.containers[0].resources.limits["nvidia.com/gpu"] == "1"
+        # Printer columns.
+        table = k8s.run_kubectl("get", "bpis", "-n", api.ns).stdout
+        assert table.split("\n")[0].split() == [
+            "NAME",
+            "READY",
+            "REPLICAS",
+            "MAXNUMSEQS",
+            "KV",
+            "URL",
+            "AGE",
+        ]
+        assert table.split("\n")[1].split()[:6] == ["chat", "True", "1", "32", "auto", st["url"]]
+        # Kopf's finalizer is the named one, for its timer; the children rely on owners.
+        assert api.get("chat")["metadata"]["finalizers"] == ["batchpilot.dev/operator"]
+        reasons = {e.reason for e in api.core.list_namespaced_event(api.ns).items}
+        assert "Applied" in reasons
+
+
+def test_spec_change_rolls_and_scale_subresource(api, k8s, kubeconfig_env):
+    with operator(api):
+        api.create("chat", {"engine": {"maxNumSeqs": 32}})
+        wait_for("Ready", lambda: api.ready("chat"))
+        dep = api.apps.read_namespaced_deployment("chat", api.ns)
+        gen, token = dep.metadata.generation, api.token("chat")
+
+        api.patch("chat", {"engine": {"maxNumSeqs": 80, "kvCacheDtype": "fp8"}})
+        st = wait_for(
+            "the new generation Ready",
+            lambda: (s := api.ready("chat")) and s["engine"]["maxNumSeqs"] == 80 and s,
+        )
+        assert st["engine"]["kvCacheDtype"] == "fp8" and st["observedGeneration"] == 2
+        dep = api.apps.read_namespaced_deployment("chat", api.ns)
+        assert dep.metadata.generation == gen + 1
+        args = dep.spec.template.spec.containers[0].args
+        assert args[args.index("--max-num-seqs") + 1] == "80"
+        rss = api.apps.list_namespaced_replica_set(
+            api.ns, label_selector="batchpilot.dev/service=chat"
+        ).items
+        assert sorted(rs.spec.replicas for rs in rss) == [0, 1]  # rolled: old scaled to 0
+        assert api.token("chat") == token
+
+        k8s.run_kubectl("scale", "bpis/chat", "--replicas=3", "-n", api.ns)
+        wait_for("3 ready replicas", lambda: (s := api.ready("chat")) and s["readyReplicas"] == 3)
+        assert api.apps.read_namespaced_deployment("chat", api.ns).spec.replicas == 3
+        scale = api.custom.get_namespaced_custom_object_scale(
+            GROUP, VERSION, api.ns, PLURAL, "chat"
+        )
+        assert scale["status"]["replicas"] == 3
+        assert (
+            scale["status"]["selector"]
+            == "app.kubernetes.io/name=batchpilot-server,batchpilot.dev/service=chat"
+        )
+
+
+def test_deletion_garbage_collects_the_children(api, kubeconfig_env):
+    with operator(api, cleanup=False):
+        api.create("chat", {})
+        wait_for("Ready", lambda: api.ready("chat"))
+        api.delete("chat")
+        wait_for(
+            "the InferenceService gone",
+            lambda: (
+                not api.custom.list_namespaced_custom_object(GROUP, VERSION, api.ns, PLURAL)[
+                    "items"
+                ]
+            ),
+        )
+        wait_for(
+            "children garbage-collected", lambda: not any(api.children().values()), timeout=120
+        )
+        wait_for("pods gone", lambda: not api.core.list_namespaced_pod(api.ns).items)
+
+
+def test_drift_is_corrected_within_one_interval(api, k8s, kubeconfig_env):
+    with operator(api):
+        api.create("chat", {})
+        wait_for("Ready", lambda: api.ready("chat"))
+        svc_uid = api.core.read_namespaced_service("chat", api.ns).metadata.uid
+        limit = INTERVAL + 8  # one interval, plus the API round trips on this small machine
+
+        def restored(what: str, fn: Callable[[], Any]) -> float:
+            t0 = time.monotonic()
+            wait_for(what, fn, timeout=limit)
+            return time.monotonic() - t0
+
+        api.core.delete_namespaced_service("chat", api.ns)
+        restored(
+            "Service recreated",
+            lambda: api.core.read_namespaced_service("chat", api.ns).metadata.uid != svc_uid,
+        )
+
+        api.apps.patch_namespaced_deployment_scale("chat", api.ns, {"spec": {"replicas": 4}})
+        restored(
+            "Deployment replicas restored",
+            lambda: api.apps.read_namespaced_deployment("chat", api.ns).spec.replicas == 1,
+        )
+        k8s.run_kubectl("set", "env", "deployment/chat", "-c", "server", "HACK=1", "-n", api.ns)
+        restored(
+            "Deployment env restored",
+            lambda: (
+                not any(
+                    e.name == "HACK"
+                    for e in api.apps.read_namespaced_deployment("chat", api.ns)
+                    .spec.template.spec.containers[0]
+                    .env
+                )
+            ),
+        )
+
+        api.policy.patch_namespaced_pod_disruption_budget(
+            "chat", api.ns, {"spec": {"maxUnavailable": 5}}
+        )
+        restored(
+            "PDB restored",
+            lambda: (
+                api.policy.read_namespaced_pod_disruption_budget(
+                    "chat", api.ns
+                ).spec.max_unavailable
+                == 1
+            ),
+        )
+
+        # Fields added by hand go too (server-side apply alone would keep them).
+        api.core.patch_namespaced_service("chat", api.ns, {"spec": {"selector": {"app": "nope"}}})
+        restored(
+            "Service selector restored",
+            lambda: (
+                api.core.read_namespaced_service("chat", api.ns).spec.selector
+                == {"app.kubernetes.io/name": "batchpilot-server", "batchpilot.dev/service": "chat"}
+            ),
+        )
+
+        # The Secret is not watched: the timer restores it (with a new token; the pods roll).
+        old_token = api.token("chat")
+        api.core.delete_namespaced_secret("chat-admin-token", api.ns)
+        took = restored("Secret recreated by the timer", lambda: api.token("chat"))
+        assert took <= limit and api.token("chat") != old_token
+        wait_for("Ready after the token rotation", lambda: api.ready("chat"))
+
+        api.apps.delete_namespaced_deployment("chat", api.ns)
+        restored(
+            "Deployment recreated", lambda: api.apps.read_namespaced_deployment("chat", api.ns)
+        )
+        wait_for("Ready again", lambda: api.ready("chat"))
+        assert {k: len(v) for k, v in api.children().items()} == {
+            "Deployment": 1,
+            "Service": 1,
+            "PodDisruptionBudget": 1,
+            "Secret": 1,
+        }
+
+
+def test_operator_only_problems_degrade_without_children(api, kubeconfig_env):
+    with operator(api) as runner:
+        api.create("weights", {"model": {"source": "pvc://weights/llama"}})
+        api.create("args", {"engine": {"extraArgs": ["--max-num-seqs=8"]}})
+        api.create(
+            "affinity",
+            {
+                "pod": {
+                    "affinity": {
+                        "nodeAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": {
+                                "nodeSelectorTerms": [
+                                    {"matchExpressions": [{"key": "k", "operator": "Bogus"}]}
+                                ]
+                            }
+                        }
+                    }
+                }
+            },
+        )
+        expect = {
+            "weights": ("ModelSourceNotFound", "PersistentVolumeClaim 'weights' not found"),
+            "args": ("InvalidSpec", "--max-num-seqs is derived from the spec"),
+            "affinity": ("InvalidSpec", "not a valid selector operator"),
+        }
+        for name, (reason, needle) in expect.items():
+            c = wait_for(
+                f"{name} Degraded",
+                lambda n=name: (
+                    api.condition(n, "Degraded").get("status") == "True"
+                    and api.condition(n, "Degraded")
+                ),
+            )
+            assert c["reason"] == reason and needle in c["message"], c
+            assert api.condition(name, "Ready")["status"] == "False"
+        time.sleep(3 * INTERVAL)  # several timer rounds: still nothing built, nothing crashed
+        assert not any(api.children().values()), api.children()
+        events = api.core.list_namespaced_event(api.ns, field_selector="type=Warning").items
+        assert {"ModelSourceNotFound", "InvalidSpec"} <= {e.reason for e in events}
+        assert runner._thread.is_alive()
+
+        # The missing claim appears (bound to a volume, so that the pod can be scheduled):
+        # the next round builds everything.
+        pv = f"weights-{api.ns}"[:63]
+        api.core.create_persistent_volume(
+            {
+                "metadata": {"name": pv},
+                "spec": {
+                    "capacity": {"storage": "1Gi"},
+                    "accessModes": ["ReadOnlyMany"],
+                    "storageClassName": "",
+                    "hostPath": {"path": "/tmp/weights"},
+                    "claimRef": {"namespace": api.ns, "name": "weights"},
+                },
+            }
+        )
+        try:
+            api.core.create_namespaced_persistent_volume_claim(
+                api.ns,
+                {
+                    "metadata": {"name": "weights"},
+                    "spec": {
+                        "accessModes": ["ReadOnlyMany"],
+                        "storageClassName": "",
+                        "volumeName": pv,
+                        "resources": {"requests": {"storage": "1Gi"}},
+                    },
+                },
+            )
+            wait_for("weights Ready", lambda: api.ready("weights"))
+        finally:
+            api.core.delete_persistent_volume(pv)
+        assert api.condition("weights", "Degraded")["status"] == "False"
+        vols = api.apps.read_namespaced_deployment("weights", api.ns).spec.template.spec.volumes
+        assert vols[0].persistent_volume_claim.claim_name == "weights"
+        # A fixed spec converges too.
+        api.patch("args", {"engine": {"extraArgs": ["--seed", "7"]}})
+        wait_for("args Ready", lambda: api.ready("args"))
+
+
+class CrashBeforeDeployment(Kube):
+    """Applies everything up to the Deployment, then 'dies' there (once)."""
+
+    def __init__(self, reached: threading.Event, release: threading.Event):
+        super().__init__(new_api_client())
+        self.reached, self.release = reached, release
+
+    def apply(self, obj: dict, *, dry_run: bool = False) -> dict:
+        if obj["kind"] == "Deployment" and not dry_run:
+            self.reached.set()
+            self.release.wait(60)
+            raise RuntimeError("simulated crash before applying the Deployment")
+        return super().apply(obj, dry_run=dry_run)
+
+
+def test_operator_restart_mid_reconcile_converges_without_duplicates(api, kubeconfig_env):
+    reached, release = threading.Event(), threading.Event()
+    config = OperatorConfig(server_image=IMAGE, reconcile_interval=INTERVAL)
+    crashing = Reconciler(config, kube=CrashBeforeDeployment(reached, release))
+    with operator(api, reconciler=crashing, cleanup=False):
+        api.create("chat", {"replicas": 2})
+        assert reached.wait(30), "the reconcile never reached the Deployment"
+        kids = api.children()
+        assert {k: len(v) for k, v in kids.items()} == {
+            "Deployment": 0,
+            "Service": 1,
+            "PodDisruptionBudget": 1,
+            "Secret": 1,
+        }
+        token = api.token("chat")
+        threading.Timer(1.0, release.set).start()  # the stuck handler dies as kopf stops
+    release.set()
+
+    with operator(api):  # a fresh operator process, in effect
+        st = wait_for("Ready after the restart", lambda: api.ready("chat"))
+        assert st["readyReplicas"] == 2
+        kids = api.children()
+        assert {k: len(v) for k, v in kids.items()} == {
+            "Deployment": 1,
+            "Service": 1,
+            "PodDisruptionBudget": 1,
+            "Secret": 1,
+        }
+        assert api.token("chat") == token  # the Secret was adopted, not regenerated
+        dep = kids["Deployment"][0]
+        assert dep.metadata.generation == 1  # applied once, never re-rolled
+        rss = api.apps.list_namespaced_replica_set(api.ns).items
+        assert len(rss) == 1
+        time.sleep(2 * INTERVAL)  # timer rounds change nothing
+        assert api.apps.read_namespaced_deployment("chat", api.ns).metadata.generation == 1
+        assert len(api.core.list_namespaced_pod(api.ns).items) == 2
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def _start_cli(k8s, namespace: str, *extra: str, log: Path) -> subprocess.Popen:
+    env = {
+        **k8s.env,
+        "BATCHPILOT_SERVER_IMAGE": "env/image:1",
+        "BATCHPILOT_RECONCILE_INTERVAL": str(INTERVAL),
+        "PYTHONUNBUFFERED": "1",
+    }
+    argv = [sys.executable, "-m", "batchpilot", "operator", "-n", namespace, *extra]
+    return subprocess.Popen(
+        argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@pytest.fixture
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_process_json_logs_liveness_and_standby_failover(api, k8s, tmp_path, free_port):
+    """`batchpilot operator` as processes: JSON logs, /healthz, the server image from the
+    environment, and --peering: the lower-priority replica stands by, and takes over when
+    the active one stops."""
+    api.custom.create_namespaced_custom_object(
+        "kopf.dev",
+        "v1",
+        api.ns,
+        "kopfpeerings",
+        {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "batchpilot"}},
+    )
+    liveness = f"http://127.0.0.1:{free_port}/healthz"
+    active_log, standby_log = tmp_path / "active.log", tmp_path / "standby.log"
+    peering = ("--peering", "batchpilot")
+    active = _start_cli(
+        k8s, api.ns, *peering, "--priority", "100", "--liveness", liveness, log=active_log
+    )
+    standby = None
+
+    def peers() -> int:
+        obj = api.custom.get_namespaced_custom_object(
+            "kopf.dev", "v1", api.ns, "kopfpeerings", "batchpilot"
+        )
+        return len(obj.get("status") or {})
+
+    try:
+        wait_for("liveness endpoint", lambda: _get(liveness) == 200, timeout=60)
+        standby = _start_cli(k8s, api.ns, *peering, "--priority", "10", log=standby_log)
+        wait_for("both replicas in the peering", lambda: peers() == 2, timeout=60)
+        api.create("chat", {})
+        st = wait_for("Ready via the active replica", lambda: api.ready("chat"), timeout=60)
+        assert st["image"] == "env/image:1"  # BATCHPILOT_SERVER_IMAGE
+        assert "Applied generation" not in standby_log.read_text()
+
+        _stop(active)  # it leaves the peering on SIGTERM: the standby resumes at once
+        wait_for(
+            "the standby to take over",
+            lambda: "Resuming operations" in standby_log.read_text(),
+            timeout=60,
+        )
+        api.patch("chat", {"engine": {"maxNumSeqs": 12}})
+        wait_for(
+            "generation 2 Ready via the standby",
+            lambda: (s := api.ready("chat")) and s["engine"]["maxNumSeqs"] == 12,
+            timeout=60,
+        )
+        api.delete("chat")
+        wait_for(
+            "deleted",
+            lambda: (
+                not api.custom.list_namespaced_custom_object(GROUP, VERSION, api.ns, PLURAL)[
+                    "items"
+                ]
+            ),
+        )
+    except AssertionError as e:
+        logs = [
+            f"--- {p.name}\n{p.read_text()[-4000:]}"
+            for p in (active_log, standby_log)
+            if p.exists()
+        ]
+        raise AssertionError(f"{e}\n" + "\n".join(logs)) from None
+    finally:
+        _stop(active)
+        if standby is not None:
+            _stop(standby)
+    for log, generation in ((active_log, 1), (standby_log, 2)):
+        lines = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+        assert lines and all({"message", "severity", "timestamp"} <= set(x) for x in lines)
+        applied = [x["message"] for x in lines if x["message"].startswith("Applied generation")]
+        assert applied and all(m.startswith(f"Applied generation {generation}") for m in applied), (
+            applied
+        )
+        assert all(
+            x["object"]["kind"] == "InferenceService" for x in lines if "Applied" in x["message"]
+        )
+
+
+def _get(url: str) -> int:
+    handler = urllib.request.ProxyHandler({})  # loopback: never through a proxy
+    try:
+        with urllib.request.build_opener(handler).open(url, timeout=2) as resp:
+            return resp.status
+    except OSError:
+        return 0
+
+
+def test_operator_runs_with_only_its_rbac_rules(api, k8s, tmp_path, monkeypatch):
+    """operator/rbac.py's rules are enough: the operator, as a ServiceAccount bound to them,
+    builds, reports, corrects drift and degrades, and is never refused."""
+    from batchpilot.operator.rbac import cluster_role
+
+    rbac = client.RbacAuthorizationV1Api(k8s.api)
+    role = f"batchpilot-operator-{api.ns}"[:63]
+    api.core.create_namespaced_service_account(api.ns, {"metadata": {"name": "operator"}})
+    rbac.create_cluster_role(cluster_role(role))
+    rbac.create_cluster_role_binding(
+        {
+            "metadata": {"name": role},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": role,
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": "operator", "namespace": api.ns}],
+        }
+    )
+    try:
+        token = api.core.create_namespaced_service_account_token(
+            "operator", api.ns, {"spec": {"audiences": [], "expirationSeconds": 3600}}
+        ).status.token
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "op",
+                    "clusters": [
+                        {
+                            "name": "c",
+                            "cluster": {
+                                "server": k8s.server,
+                                "certificate-authority": str(k8s.workdir / "pki" / "ca.crt"),
+                            },
+                        }
+                    ],
+                    "users": [{"name": "op", "user": {"token": token}}],
+                    "contexts": [{"name": "op", "context": {"cluster": "c", "user": "op"}}],
+                }
+            )
+        )
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        for var in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+            monkeypatch.delenv(var, raising=False)
+        with operator(api) as runner:
+            api.create("chat", {})
+            api.create("weights", {"model": {"source": "pvc://weights/m"}})
+            wait_for("Ready as the ServiceAccount", lambda: api.ready("chat"))
+            wait_for(
+                "Degraded as the ServiceAccount",
+                lambda: api.condition("weights", "Degraded").get("reason") == "ModelSourceNotFound",
+            )
+            api.core.delete_namespaced_secret("chat-admin-token", api.ns)
+            wait_for("Secret restored", lambda: api.token("chat"), timeout=INTERVAL + 8)
+            wait_for(
+                "an event posted",
+                lambda: any(
+                    e.reason == "Applied" for e in api.core.list_namespaced_event(api.ns).items
+                ),
+            )
+        output = runner.output.lower()
+        assert "applied generation 1" in output  # the log is really captured
+        assert "forbidden" not in output and " 403" not in output, runner.output[-3000:]
+    finally:
+        rbac.delete_cluster_role_binding(role)
+        rbac.delete_cluster_role(role)

@@ -1,0 +1,81 @@
+"""`batchpilot operator`: stays slim (no torch, transformers, triton), validates its flags,
+and takes its defaults from flags over the environment."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from batchpilot.cli import main
+from batchpilot.operator.config import DEFAULT_SERVER_IMAGE, OperatorConfig
+
+HEAVY = ("torch", "transformers", "triton")
+
+
+def test_operator_imports_no_heavy_modules_in_a_fresh_interpreter():
+    code = (
+        "import sys\n"
+        "import batchpilot.operator.handlers, batchpilot.operator.cli, batchpilot.operator.crd\n"
+        "from batchpilot.cli import build_parser\n"
+        "build_parser(['operator']).parse_args(['operator', '-A'])\n"
+        "from batchpilot.operator.handlers import make_registry\n"
+        "from batchpilot.operator.config import OperatorConfig\n"
+        "make_registry(OperatorConfig())\n"
+        f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"
+        "assert not heavy, heavy\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"
+
+
+def test_scope_is_required_and_exclusive(capsys):
+    assert main(["operator"]) == 2
+    assert "-A/--all-namespaces or -n/--namespace" in capsys.readouterr().err
+    assert main(["operator", "-A", "-n", "x"]) == 2
+    assert main(["operator", "-A", "--standalone", "--peering", "p"]) == 2
+
+
+def test_config_defaults_env_and_flags():
+    assert OperatorConfig.from_env({}) == OperatorConfig()
+    assert OperatorConfig().server_image == DEFAULT_SERVER_IMAGE
+    env = {"BATCHPILOT_SERVER_IMAGE": "env/img:2", "BATCHPILOT_RECONCILE_INTERVAL": "7.5"}
+    cfg = OperatorConfig.from_env(env)
+    assert (cfg.server_image, cfg.reconcile_interval) == ("env/img:2", 7.5)
+    cfg = OperatorConfig.from_env(env, server_image="flag/img:3", reconcile_interval=None)
+    assert (cfg.server_image, cfg.reconcile_interval) == ("flag/img:3", 7.5)
+    with pytest.raises(ValueError):
+        OperatorConfig.from_env({"BATCHPILOT_RECONCILE_INTERVAL": "0"})
+
+
+def test_crds_print(capsys):
+    assert main(["operator", "crds"]) == 0
+    out = capsys.readouterr().out
+    assert "name: inferenceservices.batchpilot.dev" in out and "kopfpeerings.kopf.dev" in out
+
+
+def test_kopf_settings():
+    import kopf
+
+    from batchpilot.operator.handlers import configure_settings
+
+    settings = kopf.OperatorSettings()
+    configure_settings(settings, OperatorConfig())
+    assert settings.watching.server_timeout < settings.watching.client_timeout
+    assert settings.watching.connect_timeout and settings.networking.request_timeout
+    assert settings.persistence.finalizer == "batchpilot.dev/operator"
+    assert isinstance(settings.persistence.progress_storage, kopf.AnnotationsProgressStorage)
+
+
+def test_liveness_flag():
+    from batchpilot.cli import build_parser
+
+    def parse(*argv):
+        return build_parser(["operator"]).parse_args(["operator", "-A", *argv]).liveness
+
+    assert parse() is None
+    assert parse("--liveness") == "http://0.0.0.0:8080/healthz"
+    assert parse("--liveness", "http://127.0.0.1:9/healthz") == "http://127.0.0.1:9/healthz"

@@ -1,0 +1,462 @@
+"""The pure builders: a snapshot of the GPU sample's children, and properties that hold for
+every valid spec (owners, labels, probes, drain timing, rollout, pass-through, args)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchpilot import names
+from batchpilot.operator import resources as r
+from batchpilot.operator.crd import parse_spec
+from batchpilot.operator.resources import LoopState, Owner
+
+ROOT = Path(__file__).resolve().parents[2]
+SNAPSHOT = Path(__file__).resolve().parent / "snapshots" / "operator_gpu_sample_children.yaml"
+OWNER = Owner(name="chat", namespace="team-a", uid="0000-uid")
+IMAGE = "registry.example/batchpilot-server:test"
+TOKEN = "s3cret-token"
+
+
+def children(spec: dict, loops: LoopState = LoopState(), token: str = TOKEN) -> list[dict]:
+    return r.build_children(OWNER, parse_spec(spec), image=IMAGE, admin_token=token, loops=loops)
+
+
+def example(name: str) -> dict:
+    return yaml.safe_load((ROOT / "examples" / name).read_text())
+
+
+def deployment(spec: dict, **kw) -> dict:
+    return children(spec, **kw)[-1]
+
+
+def container(dep: dict) -> dict:
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def test_snapshot_of_the_gpu_sample():
+    """The whole output for one realistic spec. Regenerate after an intended change with
+    BATCHPILOT_UPDATE_SNAPSHOTS=1 and review the diff."""
+    got = yaml.safe_dump_all(children(example("gpu-fp8-tuning.yaml")["spec"]), sort_keys=False)
+    if os.environ.get("BATCHPILOT_UPDATE_SNAPSHOTS") == "1":
+        SNAPSHOT.parent.mkdir(exist_ok=True)
+        SNAPSHOT.write_text(got)
+    assert got == SNAPSHOT.read_text()
+
+
+def test_examples_parse():
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc["kind"] == "InferenceService":
+                parse_spec(doc["spec"])
+
+
+def test_server_args_parse_with_the_servers_own_cli():
+    """Every flag the operator passes is one `batchpilot serve` accepts, with the value the
+    spec asked for."""
+    from batchpilot.server.api.cli import add_arguments
+    from batchpilot.server.config import GiB, config_from_args
+
+    spec = {
+        "engine": {
+            "maxNumSeqs": 96,
+            "kvCacheDtype": "fp8_e5m2",
+            "maxModelLen": 2048,
+            "maxNumBatchedTokens": 4096,
+            "enablePrefixCaching": False,
+            "preemptionMode": "recompute",
+            "swapSpaceGiB": 1.5,
+            "blockSize": 32,
+            "gpuMemoryUtilization": 0.85,
+            "dtype": "bfloat16",
+            "extraArgs": ["--kv-cache-memory", "2GiB"],
+        },
+        "server": {"shutdownTimeoutSeconds": 45, "maxQueueLen": 77},
+        "model": {"source": "/models/llama", "name": "llama"},
+    }
+    args = container(deployment(spec))["args"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    ns = parser.parse_args(args)
+    cfg = config_from_args(ns)
+    assert (cfg.max_num_seqs, cfg.kv_cache_dtype, cfg.max_model_len) == (96, "fp8_e5m2", 2048)
+    assert cfg.max_num_batched_tokens == 4096 and cfg.enable_prefix_caching is False
+    assert cfg.enable_chunked_prefill is True and cfg.preemption_mode == "recompute"
+    assert cfg.swap_space_bytes == int(1.5 * GiB) and cfg.block_size == 32
+    assert cfg.gpu_memory_utilization == 0.85 and cfg.dtype == "bfloat16"
+    assert cfg.kv_cache_memory_bytes == 2 * GiB
+    assert (ns.model, ns.served_model_name, ns.host, ns.port) == (
+        "/models/llama",
+        "llama",
+        "0.0.0.0",
+        8000,
+    )
+    assert (ns.shutdown_timeout, ns.max_queue_len) == (45, 77)
+
+
+@pytest.mark.parametrize(
+    "source, name, arg, served, pvc",
+    [
+        ("bundled", None, "bundled", names.DEFAULT_SERVED_MODEL_NAME, None),
+        ("bundled", "mine", "bundled", "mine", None),
+        ("/models/q.gguf", None, "/models/q.gguf", "q", None),
+        ("pvc://weights/llama-3", None, "/models/weights/llama-3", "llama-3", "weights"),
+        ("pvc://weights", None, "/models/weights", "weights", "weights"),
+        ("pvc://w/../../etc", None, "/models/w", "w", "w"),
+        ("pvc://w/../wx", None, "/models/w", "w", "w"),
+        ("hf://Qwen/Qwen2-0.5B", None, "hf://Qwen/Qwen2-0.5B", "Qwen2-0.5B", None),
+    ],
+)
+def test_plan_model(source, name, arg, served, pvc):
+    plan = r.plan_model(parse_spec({"model": {"source": source, "name": name}}))
+    assert (plan.arg, plan.served_name, plan.pvc) == (arg, served, pvc)
+
+
+def test_pvc_source_is_mounted_read_only():
+    dep = deployment({"model": {"source": "pvc://weights/llama"}})
+    pod = dep["spec"]["template"]["spec"]
+    assert {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "weights", "readOnly": True},
+    } in pod["volumes"]
+    mounts = container(dep)["volumeMounts"]
+    assert {"name": "model", "mountPath": "/models/weights", "readOnly": True} in mounts
+
+
+def test_hf_source_runs_offline():
+    env = container(deployment({"model": {"source": "hf://org/m"}}))["env"]
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in env
+
+
+def test_spec_problems():
+    spec = parse_spec(
+        {
+            "engine": {
+                "extraArgs": [
+                    "--max-num-seqs=4",
+                    "--no-enable-prefix-caching",
+                    "--kv-cache-memory",
+                    "1GiB",
+                ]
+            },
+            "pod": {"env": [{"name": names.ADMIN_TOKEN_ENV, "value": "x"}]},
+        }
+    )
+    problems = r.spec_problems(spec)
+    assert len(problems) == 3
+    assert any("--max-num-seqs" in p for p in problems)
+    assert any("--no-enable-prefix-caching" in p for p in problems)
+    assert any(names.ADMIN_TOKEN_ENV in p for p in problems)
+    assert r.spec_problems(parse_spec({"engine": {"extraArgs": ["--seed", "3"]}})) == []
+
+
+def test_loops_are_persisted_within_bounds():
+    tuning = {"enabled": True, "maxNumSeqs": {"min": 8, "max": 128}, "allowFP8KVCache": True}
+    spec = {
+        "tuning": tuning,
+        "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5},
+        "replicas": 1,
+    }
+    dep = deployment(spec, loops=LoopState(replicas=9, max_num_seqs=500, kv_cache_dtype="fp8"))
+    engine = r.parse_engine_args(container(dep)["args"])
+    assert (dep["spec"]["replicas"], engine["maxNumSeqs"], engine["kvCacheDtype"]) == (
+        5,
+        128,
+        "fp8",
+    )
+    # Nothing decided yet: autoscaling starts at minReplicas, the engine at spec.engine.
+    dep = deployment(spec)
+    assert dep["spec"]["replicas"] == 2
+    assert r.parse_engine_args(container(dep)["args"])["maxNumSeqs"] == 64
+    # fp8 only when allowed; decisions are ignored while the loop is disabled.
+    no_fp8 = {**spec, "tuning": {**tuning, "allowFP8KVCache": False}}
+    dep = deployment(no_fp8, loops=LoopState(kv_cache_dtype="fp8"))
+    assert r.parse_engine_args(container(dep)["args"])["kvCacheDtype"] == "auto"
+    dep = deployment({"replicas": 3}, loops=LoopState(replicas=9, max_num_seqs=9))
+    assert dep["spec"]["replicas"] == 3
+    assert r.parse_engine_args(container(dep)["args"])["maxNumSeqs"] == 64
+
+
+def test_loop_state_from_status():
+    status = {
+        "autoscaling": {"desiredReplicas": 3},
+        "tuning": {"maxNumSeqs": 40, "kvCacheDtype": "fp8"},
+    }
+    assert LoopState.from_status(status) == LoopState(3, 40, "fp8")
+    assert LoopState.from_status(None) == LoopState()
+
+
+def test_token_rotation_rolls_the_pods():
+    a = deployment({}, token="one")["spec"]["template"]["metadata"]["annotations"]
+    b = deployment({}, token="two")["spec"]["template"]["metadata"]["annotations"]
+    assert a[r.ANN_TOKEN_HASH] != b[r.ANN_TOKEN_HASH]
+    assert "one" not in str(a) and "two" not in str(b)
+
+
+def test_contains_and_drifted():
+    svc = r.build_service(OWNER)
+    live = {
+        **svc,
+        "spec": {**svc["spec"], "clusterIP": "10.0.0.3"},
+        "metadata": {**svc["metadata"], "resourceVersion": "7"},
+    }
+    assert not r.drifted(svc, live)
+    edited = {**live, "spec": {**live["spec"], "selector": {"app": "other"}}}
+    assert r.drifted(svc, edited)
+    relabeled = {**live, "metadata": {**live["metadata"], "labels": {}}}
+    assert r.drifted(svc, relabeled)
+    dep = deployment({})
+    # A Deployment's spec is compared by generation, not here; its metadata is.
+    assert not r.drifted(dep, {**dep, "spec": {}})
+    assert r.drifted(dep, {**dep, "metadata": {**dep["metadata"], "ownerReferences": []}})
+    assert r.contains({"a": [1, {"b": 2, "c": 3}]}, {"a": [1, {"b": 2}]})
+    assert not r.contains({"a": [1]}, {"a": [1, 2]})
+
+
+# --------------------------------------------------------------------------- properties
+
+_quantity = st.one_of(st.integers(1, 64).map(str), st.sampled_from(["500m", "2Gi", "1.5"]))
+_valid = st.fixed_dictionaries(
+    {},
+    optional={
+        "replicas": st.integers(0, 20),
+        "image": st.sampled_from(["img:1", "registry.example/x@sha256:" + "a" * 64]),
+        "model": st.fixed_dictionaries(
+            {"source": st.sampled_from(["bundled", "/m/x.gguf", "pvc://c/p", "hf://o/n"])}
+        ),
+        "resources": st.fixed_dictionaries(
+            {},
+            optional={
+                "limits": st.dictionaries(
+                    st.sampled_from(["cpu", "memory", "nvidia.com/gpu"]), _quantity, max_size=3
+                ),
+                "requests": st.dictionaries(
+                    st.sampled_from(["cpu", "memory"]), _quantity, max_size=2
+                ),
+            },
+        ),
+        "engine": st.fixed_dictionaries(
+            {},
+            optional={
+                "maxNumSeqs": st.integers(1, 4096),
+                "kvCacheDtype": st.sampled_from(names.KV_CACHE_DTYPES),
+                "gpuMemoryUtilization": st.sampled_from([0.1, 0.5, 0.9, 0.99]),
+                "maxModelLen": st.integers(16, 8192),
+                "swapSpaceGiB": st.sampled_from([0, 0.5, 4, 64]),
+                "enablePrefixCaching": st.booleans(),
+                "preemptionMode": st.sampled_from(names.PREEMPTION_MODES),
+            },
+        ),
+        "server": st.fixed_dictionaries(
+            {},
+            optional={
+                "shutdownTimeoutSeconds": st.integers(1, 3600),
+                "preStopSleepSeconds": st.integers(0, 300),
+            },
+        ),
+        "pod": st.fixed_dictionaries(
+            {},
+            optional={
+                "nodeSelector": st.dictionaries(
+                    st.sampled_from(["gpu", "zone"]), st.text("abc", min_size=1), max_size=2
+                ),
+                "tolerations": st.lists(
+                    st.fixed_dictionaries(
+                        {
+                            "key": st.sampled_from(["nvidia.com/gpu", "x"]),
+                            "operator": st.just("Exists"),
+                            "effect": st.just("NoSchedule"),
+                        }
+                    ),
+                    max_size=2,
+                ),
+                "affinity": st.just(
+                    {
+                        "nodeAffinity": {
+                            "preferredDuringSchedulingIgnoredDuringExecution": [
+                                {
+                                    "weight": 1,
+                                    "preference": {
+                                        "matchExpressions": [{"key": "k", "operator": "Exists"}]
+                                    },
+                                }
+                            ]
+                        }
+                    }
+                ),
+                "env": st.lists(
+                    st.fixed_dictionaries(
+                        {"name": st.sampled_from(["A", "B"]), "value": st.text("xy", max_size=3)}
+                    ),
+                    max_size=2,
+                ),
+                "serviceAccountName": st.sampled_from(["sa-1", "reader"]),
+                "labels": st.dictionaries(
+                    st.sampled_from(["team", r.LABEL_SERVICE]),
+                    st.sampled_from(["a", "evil"]),
+                    max_size=2,
+                ),
+                "annotations": st.dictionaries(
+                    st.sampled_from(["note", "prometheus.io/port"]), st.just("1"), max_size=2
+                ),
+            },
+        ),
+    },
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_valid)
+def test_properties_of_every_valid_spec(raw):
+    spec = parse_spec(raw)
+    out = r.build_children(OWNER, spec, image=IMAGE, admin_token=TOKEN)
+    assert [c["kind"] for c in out] == ["Secret", "Service", "PodDisruptionBudget", "Deployment"]
+    # Deterministic: a re-apply never rolls the Deployment.
+    assert out == r.build_children(OWNER, spec, image=IMAGE, admin_token=TOKEN)
+    selector = r.selector_labels("chat")
+    for child in out:
+        meta = child["metadata"]
+        assert (meta["name"] if child["kind"] != "Secret" else "chat", meta["namespace"]) == (
+            "chat",
+            "team-a",
+        )
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "batchpilot.dev/v1alpha1",
+                "kind": "InferenceService",
+                "name": "chat",
+                "uid": "0000-uid",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+        assert meta["labels"][r.LABEL_SERVICE] == "chat"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "batchpilot-operator"
+        assert {"app.kubernetes.io/name", "app.kubernetes.io/instance"} <= set(meta["labels"])
+
+    dep = out[-1]
+    ds = dep["spec"]
+    assert ds["selector"] == {"matchLabels": selector}
+    tmpl = ds["template"]
+    assert selector.items() <= tmpl["metadata"]["labels"].items()  # user labels never win
+    ann = tmpl["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "8000"
+    assert ann["prometheus.io/path"] == "/metrics"
+    assert ds["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+    assert ds["replicas"] == spec.replicas
+
+    pod = tmpl["spec"]
+    c = container(dep)
+    assert c["image"] == IMAGE
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    # Drain: preStop sleep, then SIGTERM, and the kubelet waits longer than both.
+    sleep = spec.server.pre_stop_sleep_seconds
+    if sleep:
+        assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": sleep}}
+    else:
+        assert "lifecycle" not in c
+    shutdown = spec.server.shutdown_timeout_seconds
+    assert pod["terminationGracePeriodSeconds"] > sleep + shutdown
+    assert c["args"][c["args"].index("--shutdown-timeout") + 1] == str(shutdown)
+    # The admin token comes from the owned Secret.
+    token_env = {
+        "name": names.ADMIN_TOKEN_ENV,
+        "valueFrom": {"secretKeyRef": {"name": "chat-admin-token", "key": "token"}},
+    }
+    assert c["env"][0] == token_env
+    assert out[0]["data"]["token"] and out[0]["metadata"]["name"] == "chat-admin-token"
+    # Pass-through.
+    want_resources = {
+        k: {n: str(q) for n, q in v.items()} for k, v in (raw.get("resources") or {}).items() if v
+    }
+    assert c.get("resources", {}) == want_resources
+    p = raw.get("pod") or {}
+    assert pod.get("nodeSelector", {}) == p.get("nodeSelector", {})
+    assert pod.get("tolerations", []) == p.get("tolerations", [])
+    assert pod.get("affinity") == p.get("affinity")
+    user_env = p.get("env", [])
+    assert c["env"][len(c["env"]) - len(user_env) :] == user_env
+    if "serviceAccountName" in p:
+        assert pod["serviceAccountName"] == p["serviceAccountName"]
+    else:
+        assert pod["automountServiceAccountToken"] is False
+    # The args put exactly the spec's engine settings in force.
+    engine = r.parse_engine_args(c["args"])
+    assert engine["maxNumSeqs"] == spec.engine.max_num_seqs
+    assert engine["kvCacheDtype"] == spec.engine.kv_cache_dtype
+    assert engine.get("maxModelLen") == spec.engine.max_model_len
+    flags = set(c["args"])
+    for knob in r.ENGINE_KNOBS:
+        assert (
+            knob.flag in flags
+            or "--no-" + knob.flag[2:] in flags
+            or (getattr(spec.engine, knob.name, None) is None)
+        ), knob
+
+    svc, pdb = out[1], out[2]
+    assert svc["spec"]["selector"] == selector
+    assert svc["spec"]["ports"][0]["port"] == 8000
+    assert pdb["spec"]["selector"] == {"matchLabels": selector}
+    assert pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_foreign_managers_and_restored():
+    svc = r.build_service(OWNER)
+    live = {
+        **svc,
+        "spec": {
+            **svc["spec"],
+            "clusterIP": "10.0.0.9",
+            "clusterIPs": ["10.0.0.9"],
+            "selector": {**svc["spec"]["selector"], "app": "x"},
+        },
+        "status": {"loadBalancer": {}},
+        "metadata": {
+            **svc["metadata"],
+            "resourceVersion": "12",
+            "managedFields": [
+                {
+                    "manager": "batchpilot-operator",
+                    "operation": "Apply",
+                    "fieldsV1": {"f:spec": {}},
+                },
+                {
+                    "manager": "kube-controller-manager",
+                    "subresource": "status",
+                    "fieldsV1": {"f:status": {}},
+                },
+            ],
+        },
+    }
+    assert r.foreign_managers(live, "batchpilot-operator") == []
+    live["metadata"]["managedFields"].append(
+        {
+            "manager": "kubectl-patch",
+            "operation": "Update",
+            "fieldsV1": {"f:spec": {"f:selector": {}}},
+        }
+    )
+    assert r.foreign_managers(live, "batchpilot-operator") == ["kubectl-patch"]
+    body = r.restored(live, svc)
+    assert body["spec"]["selector"] == r.selector_labels("chat")
+    assert body["spec"]["clusterIP"] == "10.0.0.9" and body["spec"]["clusterIPs"] == ["10.0.0.9"]
+    assert body["metadata"]["resourceVersion"] == "12" and "managedFields" not in body["metadata"]
+    assert "status" not in body
+    secret = r.build_secret(OWNER, "tok")
+    live_secret = {
+        **secret,
+        "data": {**secret["data"], "extra": "eA=="},
+        "metadata": secret["metadata"],
+    }
+    assert r.restored(live_secret, secret)["data"] == secret["data"]
