@@ -41,18 +41,36 @@ class EngineConfig:
 
     def validate(self) -> None:
         checks = [
-            (self.kv_cache_dtype in names.KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {names.KV_CACHE_DTYPES}"),
-            (self.preemption_mode in names.PREEMPTION_MODES, f"preemption_mode must be one of {names.PREEMPTION_MODES}"),
+            (
+                self.kv_cache_dtype in names.KV_CACHE_DTYPES,
+                f"kv_cache_dtype must be one of {names.KV_CACHE_DTYPES}",
+            ),
+            (
+                self.preemption_mode in names.PREEMPTION_MODES,
+                f"preemption_mode must be one of {names.PREEMPTION_MODES}",
+            ),
             (self.dtype in names.DTYPES, f"dtype must be one of {names.DTYPES}"),
             (self.device in ("auto", "cpu", "cuda"), "device must be auto, cpu or cuda"),
-            (self.scheduling_policy in ("continuous", "static"), "scheduling_policy must be continuous or static"),
+            (
+                self.scheduling_policy in ("continuous", "static"),
+                "scheduling_policy must be continuous or static",
+            ),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
-            (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size must be a power of two <= 128"),
+            (
+                self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+                "block_size must be a power of two <= 128",
+            ),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.swap_space_bytes >= 0, "swap_space must be >= 0"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
-            (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, "kv_cache_memory must be > 0"),
-            (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (
+                self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+                "kv_cache_memory must be > 0",
+            ),
+            (
+                self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+                "max_num_batched_tokens must be >= 1",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -79,7 +97,9 @@ class EngineConfig:
 
     def public(self) -> dict:
         """The settings in force, as the admin API and logs show them."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"
+        }
 
 
 def parse_bytes(text: str) -> int:
@@ -94,8 +114,12 @@ def parse_bytes(text: str) -> int:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig.__dataclass_fields__
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model dir, .gguf file, hf://org/name "
-                   "(pre-cached) or 'bundled' (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="HF model dir, .gguf file, hf://org/name "
+        "(pre-cached) or 'bundled' (default: bundled SmolLM2-135M-Instruct)",
+    )
     g.add_argument("--dtype", default="auto", choices=names.DTYPES)
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     g.add_argument(names.MAX_MODEL_LEN.flag, type=int, default=None)
@@ -104,15 +128,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(names.BLOCK_SIZE.flag, type=int, default=d["block_size"].default)
     g.add_argument(names.KV_CACHE_DTYPE.flag, default="auto", choices=names.KV_CACHE_DTYPES)
     g.add_argument(names.GPU_MEMORY_UTILIZATION.flag, type=float, default=0.9)
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="KV cache size, e.g. 2GiB (CPU default 1GiB; on CUDA overrides "
-                   "--gpu-memory-utilization)")
+    g.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=None,
+        help="KV cache size, e.g. 2GiB (CPU default 1GiB; on CUDA overrides "
+        "--gpu-memory-utilization)",
+    )
     g.add_argument(names.SWAP_SPACE.flag, type=float, default=4.0, help="CPU swap space, GiB")
     g.add_argument(names.PREEMPTION_MODE.flag, default="swap", choices=names.PREEMPTION_MODES)
-    g.add_argument(names.ENABLE_CHUNKED_PREFILL.flag, default=True,
-                   action=argparse.BooleanOptionalAction)
-    g.add_argument(names.ENABLE_PREFIX_CACHING.flag, default=True,
-                   action=argparse.BooleanOptionalAction)
+    g.add_argument(
+        names.ENABLE_CHUNKED_PREFILL.flag, default=True, action=argparse.BooleanOptionalAction
+    )
+    g.add_argument(
+        names.ENABLE_PREFIX_CACHING.flag, default=True, action=argparse.BooleanOptionalAction
+    )
     g.add_argument("--scheduling-policy", default="continuous", choices=("continuous", "static"))
     g.add_argument("--seed", type=int, default=0)
 

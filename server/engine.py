@@ -71,10 +71,13 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(hf_model)
         self.vocab_size = hf_model.config.vocab_size
         del hf_model
-        self._build_kv_cache()
         self.seqs: dict[str, Sequence] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._rng = random.Random(config.seed)
+        self._reset_counters()
+        self._build_kv_cache()
+
+    def _reset_counters(self) -> None:
         self.num_steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -103,8 +106,17 @@ class LLMEngine:
             )
         num_cpu_blocks = cfg.swap_space_bytes // block_bytes
         self.block_bytes = block_bytes
-        self.kv_cache = KVCache(layers, num_blocks, num_cpu_blocks, cfg.block_size, heads, dim,
-                                self.dtype, cfg.kv_cache_dtype, self.device)
+        self.kv_cache = KVCache(
+            layers,
+            num_blocks,
+            num_cpu_blocks,
+            cfg.block_size,
+            heads,
+            dim,
+            self.dtype,
+            cfg.kv_cache_dtype,
+            self.device,
+        )
         pool = BlockPool(num_blocks, cfg.enable_prefix_caching)
         self.kv_manager = KVCacheManager(pool, SwapSpace(num_cpu_blocks), cfg.block_size)
         self.scheduler = Scheduler(cfg, self.kv_manager)
@@ -113,9 +125,14 @@ class LLMEngine:
             self._calibrate_fp8()
         log.info(
             "KV cache: %d blocks of %d tokens (%s, %.1f MiB), max concurrency %.2fx at "
-            "max_model_len %d; swap space %d blocks", num_blocks, cfg.block_size,
-            cfg.kv_cache_dtype, num_blocks * block_bytes / 2**20, self.max_concurrency,
-            cfg.max_model_len, num_cpu_blocks,
+            "max_model_len %d; swap space %d blocks",
+            num_blocks,
+            cfg.block_size,
+            cfg.kv_cache_dtype,
+            num_blocks * block_bytes / 2**20,
+            self.max_concurrency,
+            cfg.max_model_len,
+            num_cpu_blocks,
         )
 
     def _kv_budget_bytes(self, block_bytes: int) -> int:
@@ -133,9 +150,17 @@ class LLMEngine:
         cfg = self.config
         n = min(cfg.max_num_batched_tokens, cfg.max_model_len)
         blocks = cdiv(n, cfg.block_size)
-        scratch = KVCache(len(self.model.layers), blocks, 0, cfg.block_size,
-                          self.model.num_kv_heads, self.model.head_dim, self.dtype,
-                          cfg.kv_cache_dtype, self.device)
+        scratch = KVCache(
+            len(self.model.layers),
+            blocks,
+            0,
+            cfg.block_size,
+            self.model.num_kv_heads,
+            self.model.head_dim,
+            self.dtype,
+            cfg.kv_cache_dtype,
+            self.device,
+        )
         seq = Sequence("profile", None, [0] * n, SamplingParams(max_tokens=1, temperature=0))
         seq.block_table = list(range(blocks))
         seq.generator = torch.Generator(self.device)
@@ -155,7 +180,8 @@ class LLMEngine:
             self.step()
         self.kv_cache.finish_calibration()
         self.kv_manager.pool.reset_prefix_cache()
-        self.num_steps = self.prompt_tokens_total = self.generation_tokens_total = 0
+        self.scheduler.counters = type(self.scheduler.counters)()
+        self._reset_counters()
         self._pending_outputs.clear()
 
     @property
@@ -163,8 +189,13 @@ class LLMEngine:
         cfg = self.config
         return self.kv_manager.pool.num_blocks / cdiv(cfg.max_model_len, cfg.block_size)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -209,6 +240,7 @@ class LLMEngine:
         if seq is None:
             return
         self.scheduler.finish(seq, "abort")
+        seq.timings.finished_time = time.monotonic()
         self._pending_outputs.append(self._output(seq, [], finished=True))
 
     def has_unfinished_requests(self) -> bool:
@@ -253,13 +285,18 @@ class LLMEngine:
         self.generation_tokens_total += 1
         params = seq.params
         reason = None
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        if (
+            token in self.eos_token_ids and not params.ignore_eos
+        ) or token in params.stop_token_ids:
             reason = "stop"
         else:
             seq.text += seq.detokenizer.add(token)
             if seq.stop_checker.truncate(seq):
                 reason = "stop"
-            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            elif (
+                seq.num_output_tokens >= params.max_tokens
+                or seq.num_tokens >= self.config.max_model_len
+            ):
                 reason = "length"
         if reason is not None:
             seq.timings.finished_time = now
@@ -271,10 +308,17 @@ class LLMEngine:
         visible = seq.text if finished else seq.stop_checker.releasable(seq.text)
         delta_text = visible[seq.emitted_text_len :]
         seq.emitted_text_len = len(visible)
-        completion = CompletionOutput(0, visible, seq.output_token_ids, delta_text, new_tokens,
-                                      seq.finish_reason if finished else None)
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
-                             finished, seq.timings)
+        completion = CompletionOutput(
+            0,
+            visible,
+            seq.output_token_ids,
+            delta_text,
+            new_tokens,
+            seq.finish_reason if finished else None,
+        )
+        return RequestOutput(
+            seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], finished, seq.timings
+        )
 
     def stats(self) -> dict:
         pool, swap = self.kv_manager.pool, self.kv_manager.swap

@@ -1,5 +1,7 @@
 """LLM: the offline API, shaped like vLLM's."""
 
+import dataclasses
+
 from tqdm import tqdm
 
 from batchpilot.server.config import EngineConfig
@@ -20,9 +22,12 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -48,8 +53,7 @@ class LLM:
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    fields = {k: v for k, v in vars(params).items() if k != "stop_strings"}
-    return SamplingParams(**{**fields, "seed": seed})
+    return dataclasses.replace(params, seed=seed)
 
 
 def _merge(finished: dict[str, RequestOutput], order, num_prompts: int) -> list[RequestOutput]:

@@ -19,8 +19,9 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator]) -> list[int]:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> list[int]:
     """logits: [rows, vocab] float32 -> one token id per row."""
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -35,9 +36,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             sub = _filter_top_k_top_p(sub, top_k, top_p)
         probs = sub.softmax(dim=-1)
         # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
-        noise = torch.stack([
-            torch.empty(probs.shape[-1], device=device).exponential_(generator=generators[i])
-            for i in rows
-        ])
+        noise = torch.stack(
+            [
+                torch.empty(probs.shape[-1], device=device).exponential_(generator=generators[i])
+                for i in rows
+            ]
+        )
         tokens[rows] = (probs / noise).argmax(dim=-1)
     return tokens.tolist()

@@ -81,8 +81,12 @@ class Scheduler:
         return True
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
-        while (self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs
-               and self.kv.can_swap_in(self.swapped[0])):
+        while (
+            self.swapped
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and self.kv.can_swap_in(self.swapped[0])
+        ):
             seq = self.swapped.popleft()
             out.swap_in.extend(self.kv.swap_in(seq))
             seq.status = Status.RUNNING

@@ -90,8 +90,9 @@ class LlamaDecoder(nn.Module):
         self.register_buffer("cos", cos[0].to(dtype).to(device)[:, None, :], persistent=False)
         self.register_buffer("sin", sin[0].to(dtype).to(device)[:, None, :], persistent=False)
 
-    def forward(self, input_ids, positions, kv: KVCache, meta: AttentionMetadata,
-                logits_index: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, kv: KVCache, meta: AttentionMetadata, logits_index: torch.Tensor
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.cos[positions], self.sin[positions]
         for layer in self.layers:

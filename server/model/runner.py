@@ -34,10 +34,14 @@ class ModelRunner:
                 samplers.append(seq)
         meta = build_metadata(
             [(seq.block_table, seq.num_computed_tokens, n) for seq, n in ordered],
-            num_decodes, self.block_size, self.device,
+            num_decodes,
+            self.block_size,
+            self.model.lm_head.weight.dtype,
+            self.device,
         )
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        logits = self.model(as_tensor(input_ids), as_tensor(positions), self.kv, meta,
-                            as_tensor(logits_index))
+        logits = self.model(
+            as_tensor(input_ids), as_tensor(positions), self.kv, meta, as_tensor(logits_index)
+        )
         tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
         return {id(seq): tok for seq, tok in zip(samplers, tokens, strict=True)}

@@ -32,8 +32,9 @@ def hf_greedy(tiny_model):
         key = (tuple(prompt_ids), max_tokens)
         if key not in cache:
             ids = torch.tensor([prompt_ids])
+            # eos_token_id=None matches ignore_eos: EOS may be chosen, it just doesn't stop.
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_tokens, min_new_tokens=max_tokens)  # fmt: skip
+                                 max_new_tokens=max_tokens, eos_token_id=None)  # fmt: skip
             cache[key] = out[0, len(prompt_ids) :].tolist()
         return cache[key]
 
