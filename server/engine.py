@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from batchpilot.server.config import EngineConfig, GiB
+from batchpilot.server.config import ConfigError, EngineConfig, GiB
 from batchpilot.server.detokenizer import IncrementalDetokenizer
 from batchpilot.server.kv.block_pool import BlockPool, SwapSpace
 from batchpilot.server.kv.cache import KVCache, bytes_per_block, storage_dtype
@@ -58,6 +58,17 @@ def _cpu_flags() -> str:
         return ""
 
 
+def _check_sliding_window(hf_config, max_model_len: int) -> None:
+    """Sliding-window attention is not implemented; within the window it is plain
+    causal attention, so such models run exactly up to the window."""
+    window = getattr(hf_config, "sliding_window", None)
+    if getattr(hf_config, "use_sliding_window", True) and window and max_model_len > window:
+        raise ConfigError(
+            f"this model uses sliding-window attention (window {window}), which batchpilot "
+            f"does not implement: set max_model_len <= {window}"
+        )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.config = config = config or EngineConfig(**kwargs)
@@ -67,6 +78,7 @@ class LLMEngine:
             torch.set_num_threads(len(os.sched_getaffinity(0)))
         hf_model, self.tokenizer = load_hf_model(config.model, self.dtype)
         config.resolve(hf_model.config.max_position_embeddings)
+        _check_sliding_window(hf_model.config, config.max_model_len)
         self.model = from_hf(hf_model, config.max_model_len, self.dtype, self.device)
         self.eos_token_ids = self._eos_ids(hf_model)
         self.vocab_size = hf_model.config.vocab_size

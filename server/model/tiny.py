@@ -6,9 +6,11 @@ from pathlib import Path
 from batchpilot.server.model.loader import resolve_source
 
 
-def make_tiny_llama(path: str | Path, seed: int = 0, **config_overrides) -> str:
+def make_tiny_llama(path: str | Path, seed: int = 0, model_type: str = "llama",
+                    **config_overrides) -> str:  # fmt: skip
+    """model_type: any Llama-family type transformers knows (llama, mistral, qwen2)."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     if (path / "config.json").is_file():
@@ -25,7 +27,6 @@ def make_tiny_llama(path: str | Path, seed: int = 0, **config_overrides) -> str:
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=2048,
-        rope_theta=10000.0,
         tie_word_embeddings=True,
         initializer_range=0.5,
         bos_token_id=tokenizer.bos_token_id,
@@ -34,7 +35,7 @@ def make_tiny_llama(path: str | Path, seed: int = 0, **config_overrides) -> str:
     )
     settings.update(config_overrides)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**settings))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
