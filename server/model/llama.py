@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
         attn = paged_attention(q, k, v, kv, self.index, meta, self.scale)
         x = x + self.o_proj(attn)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(nn.functional.silu(gate) * up)
+        return x + self.down_proj(nn.functional.silu(gate).mul_(up))
 
 
 class LlamaDecoder(nn.Module):
