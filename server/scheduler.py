@@ -138,25 +138,33 @@ class Scheduler:
             self.waiting.appendleft(seq)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # Static batching admits its whole batch at once; the prompts are then prefilled
+        # over as many steps as the token budget needs.
+        static = self.config.scheduling_policy == "static"
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            if budget <= 0 and not static:
+                break
             seq = self.waiting[0]
             blocks, hashes = self.kv.match_prefix(seq)
             cached_tokens = len(blocks) * self.kv.block_size
             remaining = seq.num_tokens - cached_tokens
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
-                break
-            if not self._can_admit(seq, blocks, cached_tokens, n):
+                if not static:
+                    break
+                n = 0
+            if not self._can_admit(seq, blocks, cached_tokens, remaining):
                 break
             self.waiting.popleft()
             self.counters.prefix_cache_queries += seq.num_tokens
             self.counters.prefix_cache_hits += cached_tokens
             self.kv.admit(seq, blocks, hashes)
-            self.kv.allocate_slots(seq, n)
+            self.kv.allocate_slots(seq, remaining)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            out.scheduled.append((seq, n))
-            budget -= n
+            if n > 0:
+                out.scheduled.append((seq, n))
+                budget -= n
 
     def _can_admit(self, seq: Sequence, blocks: list[int], cached_tokens: int, n: int) -> bool:
         saved = seq.num_computed_tokens

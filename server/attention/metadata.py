@@ -1,26 +1,45 @@
 """Per-step attention metadata, built once per step and shared by every layer.
 
-The step's tokens are flattened with decodes first, then prefill chunks. Decodes (one
-query each) attend as one batch; prefill chunks attend as a padded batch with a causal
-mask that also covers each chunk's already-cached context. Masks are additive (0 or
--inf) in the model dtype.
+The step's tokens are flattened with decodes first (shortest context first), then
+prefill chunks. Decodes (one query each) attend in a few batches of similar context
+length, so a batch of short contexts is not padded to the longest one. Each prefill
+chunk attends on its own, unpadded: a fresh prompt causally over its own K/V, a later
+chunk or a prompt behind cached prefix blocks through its block table with an offset
+causal mask. Masks are additive (0 or -inf) in the model dtype.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+# A decode bucket closes when the next context would need more than this many times the
+# blocks of the bucket's shortest one, once it holds enough sequences to be worth a call.
+BUCKET_GROWTH = 2
+BUCKET_MIN_SEQS = 4
+
+
+@dataclass
+class DecodeBucket:
+    start: int  # first decode row
+    end: int
+    blocks: torch.Tensor  # [seqs, max_blocks]
+    mask: torch.Tensor  # [1, seqs, 1, max_blocks * block_size]
+
+
+@dataclass
+class PrefillChunk:
+    row: int  # first row of the chunk in the flat tokens
+    num_tokens: int
+    blocks: torch.Tensor | None  # [1, max_blocks] when earlier context is cached, else None
+    mask: torch.Tensor | None  # [1, 1, num_tokens, max_blocks * block_size] with blocks
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens]: where each new token's K/V is written
     num_decodes: int
-    decode_blocks: torch.Tensor | None = None  # [decodes, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [1, decodes, 1, max_blocks * block_size]
-    prefill_query_index: torch.Tensor | None = None  # [prefills, max_q] into flat tokens
-    prefill_query_valid: torch.Tensor | None = None  # [prefills, max_q]
-    prefill_blocks: torch.Tensor | None = None  # [prefills, max_blocks]
-    prefill_mask: torch.Tensor | None = None  # [1, prefills, max_q, max_blocks * block_size]
+    decode_buckets: list[DecodeBucket] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
 
 
 def _block_table(tables: list[list[int]], context_lens: list[int], block_size: int):
@@ -31,6 +50,19 @@ def _block_table(tables: list[list[int]], context_lens: list[int], block_size: i
         n = min(len(blocks), width)
         table[i, :n] = torch.tensor(blocks[:n], dtype=torch.long)
     return table, torch.arange(width * block_size)
+
+
+def _buckets(context_lens: list[int], block_size: int) -> list[tuple[int, int]]:
+    """Row ranges of context_lens (ascending) that share one padded attention call."""
+    ranges, start = [], 0
+    for i in range(1, len(context_lens) + 1):
+        last = i == len(context_lens)
+        first_blocks = -(-context_lens[start] // block_size)
+        too_long = not last and -(-context_lens[i] // block_size) > BUCKET_GROWTH * first_blocks
+        if last or (too_long and i - start >= BUCKET_MIN_SEQS):
+            ranges.append((start, i))
+            start = i
+    return ranges
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -46,24 +78,22 @@ def build_metadata(seqs: list[tuple[list[int], int, int]], num_decodes: int, blo
             slot_mapping.append(table[p // block_size] * block_size + p % block_size)
     meta = AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long), num_decodes)
     decodes, prefills = seqs[:num_decodes], seqs[num_decodes:]
-    if decodes:
-        ctx = [start + n for _, start, n in decodes]
-        meta.decode_blocks, pos = _block_table([t for t, _, _ in decodes], ctx, block_size)
-        allowed = pos[None, :] < torch.tensor(ctx)[:, None]
-        meta.decode_mask = _additive(allowed[None, :, None, :], dtype)
-    if prefills:
-        ctx = [start + n for _, start, n in prefills]
-        meta.prefill_blocks, pos = _block_table([t for t, _, _ in prefills], ctx, block_size)
-        q_lens = torch.tensor([n for _, _, n in prefills])
-        starts = torch.tensor([s for _, s, _ in prefills])
-        qi = torch.arange(int(q_lens.max()))
-        # Padded query rows repeat the chunk's last token, so no mask row is empty.
-        last = torch.minimum(qi[None, :], q_lens[:, None] - 1)
-        offsets = num_decodes + torch.cumsum(q_lens, 0) - q_lens
-        meta.prefill_query_index = offsets[:, None] + last
-        meta.prefill_query_valid = qi[None, :] < q_lens[:, None]
-        q_pos = starts[:, None] + last
-        meta.prefill_mask = _additive((pos[None, None, :] <= q_pos[:, :, None])[None], dtype)
+    for start, end in _buckets([start + n for _, start, n in decodes], block_size):
+        group = decodes[start:end]
+        ctx = [s + n for _, s, n in group]
+        blocks, pos = _block_table([t for t, _, _ in group], ctx, block_size)
+        mask = _additive((pos[None, :] < torch.tensor(ctx)[:, None])[None, :, None, :], dtype)
+        meta.decode_buckets.append(DecodeBucket(start, end, blocks.to(device), mask.to(device)))
+    row = num_decodes
+    for table, start, n in prefills:
+        chunk = PrefillChunk(row, n, None, None)
+        if start:
+            blocks, pos = _block_table([table], [start + n], block_size)
+            q_pos = start + torch.arange(n)
+            chunk.blocks = blocks.to(device)
+            chunk.mask = _additive(pos[None, :] <= q_pos[:, None], dtype)[None, None].to(device)
+        meta.prefills.append(chunk)
+        row += n
     for name, value in vars(meta).items():
         if isinstance(value, torch.Tensor):
             setattr(meta, name, value.to(device))

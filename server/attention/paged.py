@@ -22,21 +22,27 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCac
     kv_heads = k.shape[1]
     group = num_heads // kv_heads
     out = q.new_empty(num_tokens, num_heads * dim)
-    nd = meta.num_decodes
-    if nd:
-        ck, cv = kv.read(layer, meta.decode_blocks)  # [kv_heads, nd, ctx, dim]
-        qd = q[:nd].view(nd, kv_heads, group, dim).transpose(0, 1)  # [kv_heads, nd, g, dim]
-        o = _decode_attention(qd, ck, cv, meta.decode_mask, scale)
-        out[:nd] = o.transpose(0, 1).reshape(nd, num_heads * dim)
-    if meta.prefill_query_index is not None:
-        ck, cv = kv.read(layer, meta.prefill_blocks)  # [kv_heads, np, ctx, dim]
-        npf, max_q = meta.prefill_query_index.shape
-        qp = q[meta.prefill_query_index].view(npf, max_q, kv_heads, group, dim)
-        qp = qp.permute(2, 0, 3, 1, 4).reshape(kv_heads, npf, group * max_q, dim)
-        mask = meta.prefill_mask.repeat(1, 1, group, 1)  # rows ordered (group, query)
-        o = F.scaled_dot_product_attention(qp, ck, cv, attn_mask=mask, scale=scale)
-        o = o.view(kv_heads, npf, group, max_q, dim).permute(1, 3, 0, 2, 4)
-        out[nd:] = o.reshape(npf, max_q, num_heads * dim)[meta.prefill_query_valid]
+    for bucket in meta.decode_buckets:
+        ck, cv = kv.read(layer, bucket.blocks)  # [kv_heads, seqs, ctx, dim]
+        n = bucket.end - bucket.start
+        qd = q[bucket.start : bucket.end].view(n, kv_heads, group, dim).transpose(0, 1)
+        o = _decode_attention(qd, ck, cv, bucket.mask, scale)
+        out[bucket.start : bucket.end] = o.transpose(0, 1).reshape(n, num_heads * dim)
+    for chunk in meta.prefills:
+        rows = slice(chunk.row, chunk.row + chunk.num_tokens)
+        qp = q[rows].transpose(0, 1)[None]  # [1, heads, n, dim]
+        if chunk.blocks is None:
+            kp, vp = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(
+                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=group > 1
+            )
+        else:
+            ck, cv = kv.read(layer, chunk.blocks)  # [kv_heads, 1, ctx, dim]
+            o = F.scaled_dot_product_attention(
+                qp, ck.transpose(0, 1), cv.transpose(0, 1), attn_mask=chunk.mask,
+                scale=scale, enable_gqa=group > 1,
+            )  # fmt: skip
+        out[rows] = o[0].transpose(0, 1).reshape(chunk.num_tokens, num_heads * dim)
     return out
 
 

@@ -22,7 +22,11 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> dict[int, int]:
         """-> {id(seq): sampled token} for the sequences whose uncomputed tokens are
         all computed this step."""
-        ordered = sorted(scheduled, key=lambda item: item[1] > 1 or item[0].is_prefill)
+        # Decodes first, shortest context first, so attention can bucket them by length.
+        ordered = sorted(
+            scheduled,
+            key=lambda item: (item[1] > 1 or item[0].is_prefill, item[0].num_computed_tokens),
+        )
         num_decodes = sum(1 for seq, n in ordered if n == 1 and not seq.is_prefill)
         input_ids, positions, logits_index, samplers = [], [], [], []
         for seq, n in ordered:

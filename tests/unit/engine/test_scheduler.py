@@ -14,7 +14,7 @@ CONFIGS = [
     dict(max_num_seqs=4, max_num_batched_tokens=16),
     dict(max_num_seqs=8, kv_cache_memory_bytes=14 * BLOCK_BYTES_TINY, preemption_mode="swap",
          swap_space_bytes=6 * BLOCK_BYTES_TINY),
-    dict(max_num_seqs=16, kv_cache_memory_bytes=14 * BLOCK_BYTES_TINY, preemption_mode="recompute",
+    dict(max_num_seqs=16, kv_cache_memory_bytes=10 * BLOCK_BYTES_TINY, preemption_mode="recompute",
          max_num_batched_tokens=24),
     dict(max_num_seqs=3, scheduling_policy="static"),
 ]  # fmt: skip
