@@ -6,6 +6,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -69,16 +70,24 @@ def _check_sliding_window(hf_config, max_model_len: int) -> None:
         )
 
 
+LOAD_STAGES = ("loading weights", "building the decoder", "allocating the KV cache")
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **kwargs):
+    def __init__(self, config: EngineConfig | None = None,
+                 on_stage: Callable[[str], None] | None = None, **kwargs):  # fmt: skip
+        """on_stage(name) is called as each of LOAD_STAGES begins."""
         self.config = config = config or EngineConfig(**kwargs)
+        stage = on_stage or (lambda name: None)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(len(os.sched_getaffinity(0)))
+        stage(LOAD_STAGES[0])
         hf_model, self.tokenizer = load_hf_model(config.model, self.dtype)
         config.resolve(hf_model.config.max_position_embeddings)
         _check_sliding_window(hf_model.config, config.max_model_len)
+        stage(LOAD_STAGES[1])
         self.model = from_hf(hf_model, config.max_model_len, self.dtype, self.device)
         self.eos_token_ids = self._eos_ids(hf_model)
         self.vocab_size = hf_model.config.vocab_size
@@ -87,6 +96,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._rng = random.Random(config.seed)
         self._reset_counters()
+        stage(LOAD_STAGES[2])
         self._build_kv_cache()
 
     def _reset_counters(self) -> None:

@@ -136,8 +136,8 @@ def serve(args) -> int:
     def make_engine():
         from batchpilot.server.engine import LLMEngine
 
-        with loading_progress(served):
-            return LLMEngine(config)
+        with loading_progress(served) as on_stage:
+            return LLMEngine(config, on_stage=on_stage)
 
     def on_loaded(engine: AsyncEngine) -> None:
         logger.info(ready_line(url, served, engine.config, engine.stats))

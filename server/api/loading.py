@@ -1,30 +1,37 @@
-"""A progress bar while the model loads. The loader reports no stages, so the bar shows
-elapsed time and ticks until loading ends; on a terminal it redraws in place, in a log
-(not a TTY) it writes a line every few seconds."""
+"""A progress bar while the model loads: one step per engine load stage, with the
+elapsed time. On a terminal it redraws in place; in a log (not a TTY) tqdm writes at most
+one line every few seconds."""
 
 import contextlib
 import sys
-import threading
 
 from tqdm import tqdm
 
+from batchpilot.server.engine import LOAD_STAGES
+
 
 @contextlib.contextmanager
-def loading_progress(model: str, tick_seconds: float = 0.5):
-    interactive = sys.stderr.isatty()
-    done = threading.Event()
-    bar = tqdm(desc=f"Loading {model}", unit="tick", bar_format="{desc}: {elapsed}",
-               mininterval=tick_seconds if interactive else 5.0, file=sys.stderr)  # fmt: skip
+def loading_progress(model: str):
+    """Yields on_stage(name) for LLMEngine(on_stage=...)."""
+    bar = tqdm(
+        total=len(LOAD_STAGES),
+        desc=f"Loading {model}",
+        bar_format="{desc} |{bar:20}| {n_fmt}/{total_fmt} [{elapsed}]",
+        mininterval=0.1 if sys.stderr.isatty() else 5.0,
+        file=sys.stderr,
+    )
+    started = False
 
-    def tick():
-        while not done.wait(tick_seconds):
+    def on_stage(name: str) -> None:
+        nonlocal started
+        if started:
             bar.update(1)
+        started = True
+        bar.set_description_str(f"Loading {model}: {name}")
 
-    ticker = threading.Thread(target=tick, name="loading-progress", daemon=True)
-    ticker.start()
     try:
-        yield
+        yield on_stage
+        bar.update(bar.total - bar.n)
+        bar.set_description_str(f"Loading {model}: ready")
     finally:
-        done.set()
-        ticker.join()
         bar.close()
