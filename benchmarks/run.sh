@@ -10,7 +10,7 @@ $BP bench offline --concurrency 32 --num-prompts 64 --sequential-num-prompts 8 \
     --efficiency-steps 16 --result-dir "$OUT"
 
 # 2. Prefill interference: 8 decoders, one 1600-token prompt, chunked prefill off and on.
-$BP bench interference --num-decoders 8 --long-prompt-len 1600 --chunk-sizes 64,256 \
+$BP bench interference --num-decoders 8 --long-prompt-len 1600 --chunk-sizes 32,64,256 \
     --result-dir "$OUT"
 
 # 3. Online sweep: a server per policy, clients at 2, 8 and 32 concurrent streams, plus the
