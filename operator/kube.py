@@ -63,33 +63,26 @@ class Kube:
         """Server-side apply under the operator's field manager, forcing conflicts: fields
         the operator sets are the operator's, whoever edited them since. A dry run only
         validates (admission included) and persists nothing."""
-        api, suffix = self._methods(obj["apiVersion"], obj["kind"])
-        meta = obj["metadata"]
-        resp = getattr(api, f"patch_{suffix}")(
-            meta["name"],
-            meta["namespace"],
-            obj,
-            field_manager=self.field_manager,
-            force=True,
-            dry_run="All" if dry_run else None,
-            _content_type=APPLY,
-            _preload_content=False,
-            _request_timeout=TIMEOUT,
+        return self._write(
+            "patch", obj, force=True, dry_run="All" if dry_run else None, _content_type=APPLY
         )
-        return _json(resp)
 
     def replace(self, obj: dict) -> dict:
         """A full update (PUT) under the operator's field manager; ``obj`` carries the
         resourceVersion it was computed from, so a concurrent change fails with 409."""
+        return self._write("replace", obj)
+
+    def _write(self, verb: str, obj: dict, **options) -> dict:
         api, suffix = self._methods(obj["apiVersion"], obj["kind"])
         meta = obj["metadata"]
-        resp = getattr(api, f"replace_{suffix}")(
+        resp = getattr(api, f"{verb}_{suffix}")(
             meta["name"],
             meta["namespace"],
             obj,
             field_manager=self.field_manager,
             _preload_content=False,
             _request_timeout=TIMEOUT,
+            **options,
         )
         return _json(resp)
 

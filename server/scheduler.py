@@ -153,7 +153,7 @@ class Scheduler:
                 if not static:
                     break
                 n = 0
-            if not self._can_admit(seq, blocks, cached_tokens, remaining):
+            if not self.kv.can_admit(seq, blocks):
                 break
             self.waiting.popleft()
             self.counters.prefix_cache_queries += seq.num_tokens
@@ -165,11 +165,3 @@ class Scheduler:
             if n > 0:
                 out.scheduled.append((seq, n))
                 budget -= n
-
-    def _can_admit(self, seq: Sequence, blocks: list[int], cached_tokens: int, n: int) -> bool:
-        saved = seq.num_computed_tokens
-        seq.num_computed_tokens = cached_tokens
-        try:
-            return self.kv.can_admit(seq, blocks, n)
-        finally:
-            seq.num_computed_tokens = saved

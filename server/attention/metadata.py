@@ -45,11 +45,8 @@ class AttentionMetadata:
 def _block_table(tables: list[list[int]], context_lens: list[int], block_size: int):
     """-> block ids [seqs, max_blocks] (padding repeats block 0; masked) and key positions."""
     width = -(-max(context_lens) // block_size)
-    table = torch.zeros(len(tables), width, dtype=torch.long)
-    for i, blocks in enumerate(tables):
-        n = min(len(blocks), width)
-        table[i, :n] = torch.tensor(blocks[:n], dtype=torch.long)
-    return table, torch.arange(width * block_size)
+    rows = [blocks[:width] + [0] * (width - len(blocks[:width])) for blocks in tables]
+    return torch.tensor(rows, dtype=torch.long), torch.arange(width * block_size)
 
 
 def _buckets(context_lens: list[int], block_size: int) -> list[tuple[int, int]]:
@@ -76,7 +73,9 @@ def build_metadata(seqs: list[tuple[list[int], int, int]], num_decodes: int, blo
     for table, start, n in seqs:
         for p in range(start, start + n):
             slot_mapping.append(table[p // block_size] * block_size + p % block_size)
-    meta = AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long), num_decodes)
+    meta = AttentionMetadata(
+        torch.tensor(slot_mapping, dtype=torch.long, device=device), num_decodes
+    )
     decodes, prefills = seqs[:num_decodes], seqs[num_decodes:]
     for start, end in _buckets([start + n for _, start, n in decodes], block_size):
         group = decodes[start:end]
@@ -94,7 +93,4 @@ def build_metadata(seqs: list[tuple[list[int], int, int]], num_decodes: int, blo
             chunk.mask = _additive(pos[None, :] <= q_pos[:, None], dtype)[None, None].to(device)
         meta.prefills.append(chunk)
         row += n
-    for name, value in vars(meta).items():
-        if isinstance(value, torch.Tensor):
-            setattr(meta, name, value.to(device))
     return meta

@@ -36,9 +36,9 @@ class KVCacheManager:
             parent = h
         return blocks, hashes
 
-    def can_admit(self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int) -> bool:
-        total = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
-        fresh = total - len(cached_blocks)
+    def can_admit(self, seq: Sequence, cached_blocks: list[int]) -> bool:
+        """Room for all of seq's tokens (admission allocates the whole prompt)."""
+        fresh = cdiv(seq.num_tokens, self.block_size) - len(cached_blocks)
         # Reusing a cached block that nobody holds takes it off the free list too.
         revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
         return self.pool.num_free - fresh - revived >= self.watermark_blocks

@@ -620,11 +620,9 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture
 def free_port() -> int:
-    import socket
+    from batchpilot.server.bench.server_process import free_port as pick
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return pick()
 
 
 def test_cli_process_json_logs_liveness_and_standby_failover(api, k8s, tmp_path, free_port):

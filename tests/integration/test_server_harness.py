@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from batchpilot.server.bench.server_process import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 BATCHPILOT = str(Path(sys.executable).with_name("batchpilot"))
 READY_TIMEOUT = 180.0  # the machine is shared; a tiny model loads in seconds when idle
@@ -26,12 +27,6 @@ READY_TIMEOUT = 180.0  # the machine is shared; a tiny model loads in seconds wh
 # Small enough to load fast; the tests never need more context.
 TINY_FLAGS = ("--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "16MiB",
               "--swap-space", "0.02")  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
