@@ -15,7 +15,7 @@ import random
 import sys
 from pathlib import Path
 
-from batchpilot.operator.config import DEFAULT_SERVER_IMAGE, ENV, OperatorConfig
+from batchpilot.operator.config import DEFAULT_SERVER_IMAGE, OperatorConfig, env_var
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 
@@ -28,7 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="run",
         help="run the operator (default), or write the CRDs",
     )
-    scope = parser.add_argument_group("scope (one of)")
+    _scope_arguments(parser.add_argument_group("scope (one of)"))
+    _operator_arguments(parser.add_argument_group("operator"))
+    _crds_arguments(parser.add_argument_group("crds"))
+
+
+def _scope_arguments(scope: argparse._ArgumentGroup) -> None:
     scope.add_argument(
         "-A",
         "--all-namespaces",
@@ -43,11 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NS",
         help="serve this namespace (repeatable; globs like team-* work)",
     )
-    run = parser.add_argument_group("operator")
+
+
+def _operator_arguments(run: argparse._ArgumentGroup) -> None:
     run.add_argument(
         "--server-image",
         default=None,
-        help=f"image for InferenceServices without spec.image (${ENV['server_image']}; "
+        help=f"image for InferenceServices without spec.image (${env_var('server_image')}; "
         f"default {DEFAULT_SERVER_IMAGE})",
     )
     run.add_argument(
@@ -55,12 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="SECONDS",
-        help=f"full reconcile (drift correction) period (${ENV['reconcile_interval']}; default 30)",
+        help=f"full reconcile (drift correction) period (${env_var('reconcile_interval')}; default 30)",
     )
     run.add_argument(
         "--cluster-domain",
         default=None,
-        help=f"for status.url (${ENV['cluster_domain']}; default cluster.local)",
+        help=f"for status.url (${env_var('cluster_domain')}; default cluster.local)",
     )
     run.add_argument(
         "--liveness",
@@ -89,7 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--log-format", choices=("json", "full", "plain"), default="json")
     run.add_argument("-v", "--verbose", action="store_true")
     run.add_argument("--debug", action="store_true")
-    crds = parser.add_argument_group("crds")
+
+
+def _crds_arguments(crds: argparse._ArgumentGroup) -> None:
     crds.add_argument(
         "--output",
         type=Path,

@@ -1,10 +1,10 @@
-"""The operator's one config object: flags of `batchpilot operator`, or the environment."""
+"""The operator's one config object: the environment (BATCHPILOT_<FIELD>), overridden by
+the flags of `batchpilot operator`."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchpilot import __version__
 
@@ -12,20 +12,17 @@ SERVER_IMAGE_REPOSITORY = "ghcr.io/batchpilot/batchpilot-server"
 DEFAULT_SERVER_IMAGE = f"{SERVER_IMAGE_REPOSITORY}:{__version__}"
 FIELD_MANAGER = "batchpilot-operator"
 FINALIZER = "batchpilot.dev/operator"
-
-# field -> environment variable (flags override these)
-ENV = {
-    "server_image": "BATCHPILOT_SERVER_IMAGE",
-    "reconcile_interval": "BATCHPILOT_RECONCILE_INTERVAL",
-    "cluster_domain": "BATCHPILOT_CLUSTER_DOMAIN",
-}
+ENV_PREFIX = "BATCHPILOT_"
 
 
-@dataclass(frozen=True)
-class OperatorConfig:
+class OperatorConfig(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, frozen=True, use_attribute_docstrings=True
+    )
+
     server_image: str = DEFAULT_SERVER_IMAGE
     """Image of InferenceServices that set no spec.image."""
-    reconcile_interval: float = 30.0
+    reconcile_interval: float = Field(30.0, gt=0)
     """Seconds between full reconciles of each InferenceService: drift in its children is
     corrected within this (deleted or edited Deployments, Services and PDBs sooner, on
     their watch events)."""
@@ -33,15 +30,11 @@ class OperatorConfig:
     """For status.url: http://<service>.<namespace>.svc.<cluster_domain>:<port>."""
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> OperatorConfig:
-        env = os.environ if env is None else env
-        values: dict = {}
-        for f in fields(cls):
-            raw = env.get(ENV[f.name], "").strip()
-            if raw:
-                values[f.name] = float(raw) if f.type in (float, "float") else raw
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        config = cls(**values)
-        if config.reconcile_interval <= 0:
-            raise ValueError("reconcile_interval must be > 0")
-        return config
+    def from_env(cls, **flags) -> OperatorConfig:
+        """The environment, overridden by the flags that were given (None: not given)."""
+        return cls(**{k: v for k, v in flags.items() if v is not None})
+
+
+def env_var(field: str) -> str:
+    """The environment variable of a field, e.g. BATCHPILOT_SERVER_IMAGE."""
+    return ENV_PREFIX + field.upper()

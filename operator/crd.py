@@ -94,7 +94,6 @@ Quantity = Annotated[
 Opaque = Annotated[
     dict[str, Any], K8sSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})
 ]
-DNS1123Label = Annotated[str, Field(max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
 DNS1123Subdomain = Annotated[
     str,
     Field(
@@ -385,6 +384,8 @@ class EngineStatus(_Camel):
     block_size: int | None = Field(None, alias=names.BLOCK_SIZE.crd_field)
     gpu_memory_utilization: float | None = Field(None, alias=names.GPU_MEMORY_UTILIZATION.crd_field)
     swap_space_gib: float | None = Field(None, alias=names.SWAP_SPACE.crd_field)
+    enable_chunked_prefill: bool | None = Field(None, alias=names.ENABLE_CHUNKED_PREFILL.crd_field)
+    enable_prefix_caching: bool | None = Field(None, alias=names.ENABLE_PREFIX_CACHING.crd_field)
 
 
 class InferenceServiceStatus(_Camel):
@@ -593,10 +594,42 @@ def printer_columns() -> list[dict]:
     ]
 
 
+def _version_schema() -> dict:
+    return {
+        "description": "An OpenAI-compatible LLM inference service: a Deployment of "
+        "batchpilot servers that the operator scales and tunes.",
+        "type": "object",
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": {
+                **model_schema(InferenceServiceSpec),
+                "default": _prune_empty(InferenceServiceSpec().to_api()),
+            },
+            "status": model_schema(InferenceServiceStatus),
+        },
+        "x-kubernetes-validations": [NAME_RULE],
+    }
+
+
 def crd_manifest() -> dict:
     """The InferenceService CustomResourceDefinition."""
-    spec_schema = model_schema(InferenceServiceSpec)
-    status_schema = model_schema(InferenceServiceStatus)
+    version = {
+        "name": VERSION,
+        "served": True,
+        "storage": True,
+        "schema": {"openAPIV3Schema": _version_schema()},
+        "subresources": {
+            "status": {},
+            "scale": {
+                "specReplicasPath": ".spec.replicas",
+                "statusReplicasPath": ".status.replicas",
+                "labelSelectorPath": ".status.selector",
+            },
+        },
+        "additionalPrinterColumns": printer_columns(),
+    }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -618,40 +651,7 @@ def crd_manifest() -> dict:
                 "shortNames": list(SHORT_NAMES),
                 "categories": ["batchpilot"],
             },
-            "versions": [
-                {
-                    "name": VERSION,
-                    "served": True,
-                    "storage": True,
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "description": "An OpenAI-compatible LLM inference service: a "
-                            "Deployment of batchpilot servers that the operator scales and tunes.",
-                            "type": "object",
-                            "properties": {
-                                "apiVersion": {"type": "string"},
-                                "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
-                                "spec": {
-                                    **spec_schema,
-                                    "default": _prune_empty(InferenceServiceSpec().to_api()),
-                                },
-                                "status": status_schema,
-                            },
-                            "x-kubernetes-validations": [NAME_RULE],
-                        }
-                    },
-                    "subresources": {
-                        "status": {},
-                        "scale": {
-                            "specReplicasPath": ".spec.replicas",
-                            "statusReplicasPath": ".status.replicas",
-                            "labelSelectorPath": ".status.selector",
-                        },
-                    },
-                    "additionalPrinterColumns": printer_columns(),
-                }
-            ],
+            "versions": [version],
         },
     }
 

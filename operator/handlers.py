@@ -24,7 +24,7 @@ from typing import Any
 
 import kopf
 
-from batchpilot.operator import resources, status
+from batchpilot.operator import drift, resources, status
 from batchpilot.operator.config import FIELD_MANAGER, FINALIZER, OperatorConfig
 from batchpilot.operator.crd import (
     GROUP,
@@ -175,7 +175,7 @@ class Reconciler:
 
     def _apply(self, child: dict, logger) -> dict:
         live = self.kube.apply(child)
-        others = resources.foreign_managers(live, self.kube.field_manager)
+        others = drift.foreign_managers(live, self.kube.field_manager)
         if others:
             # Server-side apply forced our fields back but kept what others added: replace
             # the declared parts wholesale (a 409 on a concurrent change retries via kopf).
@@ -185,7 +185,7 @@ class Reconciler:
                 child["metadata"]["name"],
                 ", ".join(sorted(set(others))),
             )
-            live = self.kube.replace(resources.restored(live, child))
+            live = self.kube.replace(drift.restored(live, child))
         return live
 
     def _check(self, body: dict, ns: str) -> tuple[InferenceServiceSpec | None, Problem | None]:
@@ -269,7 +269,7 @@ class Reconciler:
                 return  # a stale event: the one for our latest apply follows
             desired = self._desired.get((ns, "Deployment", dep["metadata"]["name"]))
             if (applied is not None and generation != applied) or (
-                desired is not None and resources.drifted(desired, dep)
+                desired is not None and drift.drifted(desired, dep)
             ):
                 logger.info("Deployment changed by someone else: restoring it")
                 self.reconcile_by_name(ns, name, logger)
@@ -301,7 +301,7 @@ class Reconciler:
             return
         meta = child["metadata"]
         desired = self._desired.get((meta["namespace"], child["kind"], meta["name"]))
-        if event_type == "DELETED" or desired is None or resources.drifted(desired, child):
+        if event_type == "DELETED" or desired is None or drift.drifted(desired, child):
             logger.info(
                 "%s %s by someone else: restoring it",
                 child["kind"],

@@ -1,32 +1,25 @@
-"""The operator's few Kubernetes API calls, on plain dicts (the I/O shell of the builders)."""
+"""The operator's few Kubernetes API calls, on plain dicts (the I/O shell of the builders).
+
+Every kind goes through ``kubernetes.dynamic.DynamicClient``: the API server's discovery
+maps (apiVersion, kind) to a REST path, so a new child kind needs no code here.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any
 
-from kubernetes import client, config
+from kubernetes import client, config, dynamic
 
 from batchpilot.operator.config import FIELD_MANAGER
-from batchpilot.operator.crd import GROUP, PLURAL, VERSION
+from batchpilot.operator.crd import API_VERSION, KIND
 
 ApiException = client.ApiException
 
-# (apiVersion, kind) -> (API class, the suffix of its read_/patch_ methods)
-_KINDS = {
-    ("v1", "Secret"): (client.CoreV1Api, "namespaced_secret"),
-    ("v1", "Service"): (client.CoreV1Api, "namespaced_service"),
-    ("policy/v1", "PodDisruptionBudget"): (client.PolicyV1Api, "namespaced_pod_disruption_budget"),
-    ("apps/v1", "Deployment"): (client.AppsV1Api, "namespaced_deployment"),
-}
-APPLY = "application/apply-patch+yaml"  # JSON is YAML: the client sends the dict as JSON
 MERGE = "application/merge-patch+json"
 TIMEOUT = (10, 30)  # connect, read seconds
-
-
-def _json(resp: Any) -> dict:
-    return json.loads(resp.data)
 
 
 def load_configuration() -> client.Configuration:
@@ -50,95 +43,79 @@ def new_api_client() -> client.ApiClient:
 
 class Kube:
     def __init__(self, api: client.ApiClient, field_manager: str = FIELD_MANAGER):
-        self.api = api
         self.field_manager = field_manager
-        self.core = client.CoreV1Api(api)
-        self.custom = client.CustomObjectsApi(api)
+        self.dynamic = dynamic.DynamicClient(api)
+        # Discovery is cached here, under a lock: the client's own cache is not thread-safe
+        # and the handlers run in a thread pool.
+        self._resources: dict[tuple[str, str], Any] = {}
+        self._discovery = threading.Lock()
 
-    def _methods(self, api_version: str, kind: str) -> tuple[Any, str]:
-        cls, suffix = _KINDS[(api_version, kind)]
-        return cls(self.api), suffix
+    def resource(self, api_version: str, kind: str) -> Any:
+        """The REST resource of a kind; ResourceNotFoundError when the API server serves
+        no such kind (a CRD not installed, e.g. KEDA's)."""
+        with self._discovery:
+            key = (api_version, kind)
+            if key not in self._resources:
+                self._resources[key] = self.dynamic.resources.get(
+                    api_version=api_version, kind=kind
+                )
+            return self._resources[key]
+
+    def _call(self, verb: str, resource: Any, **kwargs) -> dict:
+        resp = getattr(self.dynamic, verb)(
+            resource, serialize=False, _request_timeout=TIMEOUT, **kwargs
+        )
+        return json.loads(resp.data)
 
     def apply(self, obj: dict, *, dry_run: bool = False) -> dict:
         """Server-side apply under the operator's field manager, forcing conflicts: fields
         the operator sets are the operator's, whoever edited them since. A dry run only
         validates (admission included) and persists nothing."""
-        return self._write(
-            "patch", obj, force=True, dry_run="All" if dry_run else None, _content_type=APPLY
+        return self._call(
+            "server_side_apply",
+            self.resource(obj["apiVersion"], obj["kind"]),
+            body=obj,
+            field_manager=self.field_manager,
+            force_conflicts=True,
+            dry_run="All" if dry_run else None,
         )
 
     def replace(self, obj: dict) -> dict:
         """A full update (PUT) under the operator's field manager; ``obj`` carries the
         resourceVersion it was computed from, so a concurrent change fails with 409."""
-        return self._write("replace", obj)
-
-    def _write(self, verb: str, obj: dict, **options) -> dict:
-        api, suffix = self._methods(obj["apiVersion"], obj["kind"])
-        meta = obj["metadata"]
-        resp = getattr(api, f"{verb}_{suffix}")(
-            meta["name"],
-            meta["namespace"],
-            obj,
+        return self._call(
+            "replace",
+            self.resource(obj["apiVersion"], obj["kind"]),
+            body=obj,
             field_manager=self.field_manager,
-            _preload_content=False,
-            _request_timeout=TIMEOUT,
-            **options,
         )
-        return _json(resp)
 
     def read(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
-        api, suffix = self._methods(api_version, kind)
         try:
-            resp = getattr(api, f"read_{suffix}")(
-                name, namespace, _preload_content=False, _request_timeout=TIMEOUT
+            return self._call(
+                "get", self.resource(api_version, kind), name=name, namespace=namespace
             )
         except ApiException as e:
             if e.status == 404:
                 return None
             raise
-        return _json(resp)
 
     def read_isvc(self, namespace: str, name: str) -> dict | None:
-        try:
-            resp = self.custom.get_namespaced_custom_object(
-                GROUP,
-                VERSION,
-                namespace,
-                PLURAL,
-                name,
-                _preload_content=False,
-                _request_timeout=TIMEOUT,
-            )
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
-        return _json(resp)
+        return self.read(API_VERSION, KIND, namespace, name)
 
     def patch_isvc_status(self, namespace: str, name: str, status: dict) -> None:
-        self.custom.patch_namespaced_custom_object_status(
-            GROUP,
-            VERSION,
-            namespace,
-            PLURAL,
-            name,
-            {"status": status},
-            _content_type=MERGE,
-            _preload_content=False,
-            _request_timeout=TIMEOUT,
+        """A merge patch of the status subresource: fields not named are kept."""
+        self._call(
+            "patch",
+            self.resource(API_VERSION, KIND).status,
+            body={"status": status},
+            name=name,
+            namespace=namespace,
+            content_type=MERGE,
         )
 
-    def _exists(self, fn: Any, namespace: str, name: str) -> bool:
-        try:
-            fn(name, namespace, _preload_content=False, _request_timeout=TIMEOUT)
-        except ApiException as e:
-            if e.status == 404:
-                return False
-            raise
-        return True
-
     def pvc_exists(self, namespace: str, name: str) -> bool:
-        return self._exists(self.core.read_namespaced_persistent_volume_claim, namespace, name)
+        return self.read("v1", "PersistentVolumeClaim", namespace, name) is not None
 
     def service_account_exists(self, namespace: str, name: str) -> bool:
-        return self._exists(self.core.read_namespaced_service_account, namespace, name)
+        return self.read("v1", "ServiceAccount", namespace, name) is not None

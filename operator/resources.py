@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import posixpath
 from dataclasses import dataclass
 
@@ -32,6 +33,9 @@ MANAGED_BY = "batchpilot-operator"
 MANAGED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
 
 ANN_TOKEN_HASH = "batchpilot.dev/admin-token-sha256"
+# The engine settings the operator applied (JSON, on the Deployment's own metadata: a
+# change of it alone never rolls the pods).
+ANN_ENGINE = "batchpilot.dev/engine"
 SECRET_TOKEN_KEY = "token"
 
 # Seconds between SIGTERM's drain deadline and the kubelet's SIGKILL.
@@ -175,6 +179,11 @@ def spec_problems(spec: InferenceServiceSpec) -> list[str]:
     return problems
 
 
+def _field(knob: names.Knob) -> str:
+    """EngineSpec's attribute for a knob (the spec states swap space in GiB)."""
+    return "swap_space_gib" if knob is names.SWAP_SPACE else knob.name
+
+
 def _num(v: float | int) -> str:
     return str(v) if isinstance(v, int) else f"{v:g}"
 
@@ -182,7 +191,7 @@ def _num(v: float | int) -> str:
 def engine_args(engine: EngineSpec) -> list[str]:
     args = ["--dtype", engine.dtype]
     for knob in ENGINE_KNOBS:
-        value = getattr(engine, "swap_space_gib" if knob is names.SWAP_SPACE else knob.name)
+        value = getattr(engine, _field(knob))
         if value is None:
             continue
         if knob.name in _BOOL_KNOBS:
@@ -212,28 +221,26 @@ def server_args(spec: InferenceServiceSpec, engine: EngineSpec, model: ModelPlan
     ]
 
 
-def parse_engine_args(args: list[str]) -> dict:
-    """The engine settings a container's args put in force (camelCase, like status.engine):
-    the inverse of engine_args, read back from a live Deployment."""
-    by_flag = {k.flag: k for k in ENGINE_KNOBS}
-    out: dict = {}
-    it = iter(args)
-    for arg in it:
-        flag, eq, inline = arg.partition("=")
-        knob = by_flag.get(flag)
-        if knob is None or knob.name in _BOOL_KNOBS:
-            continue
-        raw = inline if eq else next(it, None)
-        if raw is None:
-            break
-        try:
-            out[knob.crd_field] = int(raw)
-        except ValueError:
-            try:
-                out[knob.crd_field] = float(raw)
-            except ValueError:
-                out[knob.crd_field] = raw
+def engine_settings(engine: EngineSpec) -> dict:
+    """The engine settings a pod template puts in force, camelCase like status.engine: what
+    the Deployment records in its ANN_ENGINE annotation and status reads back."""
+    out = {}
+    for knob in ENGINE_KNOBS:
+        value = getattr(engine, _field(knob))
+        if value is not None:
+            out[knob.crd_field] = value
     return out
+
+
+def read_engine_settings(deployment: dict) -> dict:
+    """The settings a live Deployment records (empty when it records none or garbage: the
+    next apply writes the annotation back)."""
+    raw = (deployment.get("metadata", {}).get("annotations") or {}).get(ANN_ENGINE, "")
+    try:
+        settings = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return settings if isinstance(settings, dict) else {}
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -357,17 +364,8 @@ def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
     return s.pre_stop_sleep_seconds + s.shutdown_timeout_seconds + GRACE_MARGIN_SECONDS
 
 
-def build_deployment(
-    owner: Owner,
-    spec: InferenceServiceSpec,
-    *,
-    image: str,
-    admin_token: str,
-    loops: LoopState = LoopState(),
-) -> dict:
-    engine = effective_engine(spec, loops)
-    model = plan_model(spec)
-    pod = spec.pod
+def server_env(owner: Owner, spec: InferenceServiceSpec) -> list[dict]:
+    """The admin token from the owned Secret, then what the source needs, then the user's."""
     env = [
         {
             "name": names.ADMIN_TOKEN_ENV,
@@ -378,34 +376,34 @@ def build_deployment(
     ]
     if spec.model.source.startswith("hf://"):
         env.append({"name": "HF_HUB_OFFLINE", "value": "1"})  # pre-cached: never download
-    env += [e.to_api() for e in pod.env]
+    return env + [e.to_api() for e in spec.pod.env]
 
-    volumes = list(pod.volumes)
-    mounts = list(pod.volume_mounts)
+
+def model_volumes(spec: InferenceServiceSpec, model: ModelPlan) -> tuple[list, list]:
+    """(volumes, the server's mounts): a pvc:// model's claim, read-only, then the user's."""
+    volumes, mounts = list(spec.pod.volumes), list(spec.pod.volume_mounts)
     if model.pvc:
-        volumes.insert(
-            0,
-            {
-                "name": MODEL_VOLUME,
-                "persistentVolumeClaim": {"claimName": model.pvc, "readOnly": True},
-            },
-        )
-        mounts.insert(
-            0,
-            {
-                "name": MODEL_VOLUME,
-                "mountPath": f"{MODEL_MOUNT_ROOT}/{model.pvc}",
-                "readOnly": True,
-            },
-        )
+        claim = {"claimName": model.pvc, "readOnly": True}
+        volumes.insert(0, {"name": MODEL_VOLUME, "persistentVolumeClaim": claim})
+        mount = {"name": MODEL_VOLUME, "mountPath": f"{MODEL_MOUNT_ROOT}/{model.pvc}"}
+        mounts.insert(0, {**mount, "readOnly": True})
+    return volumes, mounts
 
+
+def container_resources(spec: InferenceServiceSpec) -> dict:
+    return {k: {n: str(q) for n, q in v.items()} for k, v in spec.resources.to_api().items() if v}
+
+
+def build_container(
+    owner: Owner, spec: InferenceServiceSpec, engine: EngineSpec, image: str, mounts: list
+) -> dict:
     container: dict = {
         "name": CONTAINER,
         "image": image,
         "command": ["batchpilot", "serve"],
-        "args": server_args(spec, engine, model),
+        "args": server_args(spec, engine, plan_model(spec)),
         "ports": [{"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"}],
-        "env": env,
+        "env": server_env(owner, spec),
         "readinessProbe": _probe("/ready", period=5, failures=3, timeout=2),
         "livenessProbe": _probe("/health", period=10, failures=6, timeout=5),
         # Loading weights can take minutes: liveness starts once /health first answers.
@@ -413,19 +411,18 @@ def build_deployment(
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
-    resources = {
-        k: {n: str(q) for n, q in v.items()} for k, v in spec.resources.to_api().items() if v
-    }
-    if resources:
+    if resources := container_resources(spec):
         container["resources"] = resources
-    if spec.server.pre_stop_sleep_seconds:
+    if sleep := spec.server.pre_stop_sleep_seconds:
         # Endpoints drop the pod while it still serves; then SIGTERM starts the drain.
-        container["lifecycle"] = {
-            "preStop": {"sleep": {"seconds": spec.server.pre_stop_sleep_seconds}}
-        }
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": sleep}}}
     if mounts:
         container["volumeMounts"] = mounts
+    return container
 
+
+def build_pod_spec(spec: InferenceServiceSpec, container: dict, volumes: list) -> dict:
+    pod = spec.pod
     pod_spec: dict = {
         "containers": [container],
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
@@ -444,17 +441,43 @@ def build_deployment(
     ):
         if value:
             pod_spec[key] = value
+    return pod_spec
 
-    labels = {**pod.labels, **common_labels(owner.name)}
+
+def build_pod_template(
+    owner: Owner, spec: InferenceServiceSpec, engine: EngineSpec, image: str, admin_token: str
+) -> dict:
+    volumes, mounts = model_volumes(spec, plan_model(spec))
+    container = build_container(owner, spec, engine, image, mounts)
     annotations = {
-        **pod.annotations,
+        **spec.pod.annotations,
         **scrape_annotations(),
+        # A new token rolls the pods: they read it from the environment at start.
         ANN_TOKEN_HASH: token_hash(admin_token),
     }
     return {
+        "metadata": {
+            "labels": {**spec.pod.labels, **common_labels(owner.name)},
+            "annotations": annotations,
+        },
+        "spec": build_pod_spec(spec, container, volumes),
+    }
+
+
+def build_deployment(
+    owner: Owner,
+    spec: InferenceServiceSpec,
+    *,
+    image: str,
+    admin_token: str,
+    loops: LoopState = LoopState(),
+) -> dict:
+    engine = effective_engine(spec, loops)
+    applied = json.dumps(engine_settings(engine), sort_keys=True, separators=(",", ":"))
+    return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(owner, owner.name),
+        "metadata": _metadata(owner, owner.name, {ANN_ENGINE: applied}),
         "spec": {
             "replicas": desired_replicas(spec, loops),
             "revisionHistoryLimit": 5,
@@ -464,10 +487,7 @@ def build_deployment(
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
             },
-            "template": {
-                "metadata": {"labels": labels, "annotations": annotations},
-                "spec": pod_spec,
-            },
+            "template": build_pod_template(owner, spec, engine, image, admin_token),
         },
     }
 
@@ -487,65 +507,3 @@ def build_children(
         build_pdb(owner),
         build_deployment(owner, spec, image=image, admin_token=admin_token, loops=loops),
     ]
-
-
-def contains(actual: object, desired: object) -> bool:
-    """Does ``actual`` carry every field of ``desired`` with the same value? Maps may have
-    more keys (server defaults, other managers' fields); lists match element-wise."""
-    if isinstance(desired, dict):
-        return isinstance(actual, dict) and all(
-            k in actual and contains(actual[k], v) for k, v in desired.items()
-        )
-    if isinstance(desired, list):
-        return (
-            isinstance(actual, list)
-            and len(actual) == len(desired)
-            and all(contains(a, d) for a, d in zip(actual, desired, strict=True))
-        )
-    return actual == desired
-
-
-def drifted(desired: dict, actual: dict) -> bool:
-    """Has someone changed what the operator applied? For a Deployment only its metadata is
-    compared here (the server normalizes its pod template); spec edits show as a new
-    metadata.generation, which the handlers track."""
-    meta_keys = ("labels", "annotations", "ownerReferences")
-    want = {"metadata": {k: v for k, v in desired["metadata"].items() if k in meta_keys}}
-    if desired["kind"] != "Deployment":
-        want |= {k: v for k, v in desired.items() if k not in ("metadata", "apiVersion", "kind")}
-    return not contains(actual, want)
-
-
-# What each kind declares besides metadata: the parts the operator owns outright.
-_OWNED_PARTS = ("spec", "data", "type")
-# Values the API server allocates once and keeps: carried over from the live object when
-# the declared parts are replaced.
-_ALLOCATED = {"Service": ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy")}
-
-
-def foreign_managers(live: dict, manager: str) -> list[str]:
-    """Field managers other than ``manager`` that own part of a child's declared content
-    (fields someone added by hand: server-side apply keeps those, it only forces the fields
-    the operator sets). Status writers do not count."""
-    out = []
-    for entry in live.get("metadata", {}).get("managedFields") or []:
-        if entry.get("manager") == manager or entry.get("subresource") == "status":
-            continue
-        owned = entry.get("fieldsV1") or {}
-        if any(f"f:{part}" in owned for part in (*_OWNED_PARTS, "stringData")):
-            out.append(entry.get("manager", "?"))
-    return out
-
-
-def restored(live: dict, desired: dict) -> dict:
-    """The live object with the declared parts replaced wholesale by the desired ones: a
-    full update (PUT) of this drops whatever others added there."""
-    body = {k: v for k, v in live.items() if k not in ("status", *_OWNED_PARTS, "stringData")}
-    body["metadata"] = {k: v for k, v in live["metadata"].items() if k != "managedFields"}
-    for part in _OWNED_PARTS:
-        if part in desired:
-            body[part] = desired[part]
-    for key in _ALLOCATED.get(desired["kind"], ()):
-        if key in (live.get("spec") or {}):
-            body["spec"] = {**body["spec"], key: live["spec"][key]}
-    return body

@@ -96,7 +96,7 @@ class DeploymentView:
             if fail.get("status") == "True"
             else None,
             image=server.get("image"),
-            engine=resources.parse_engine_args(server.get("args") or []),
+            engine=resources.read_engine_settings(dep),
         )
 
     @property
@@ -110,18 +110,74 @@ class DeploymentView:
 
 
 def _condition(
-    prev: dict | None, type_: str, status: str, reason: str, message: str, generation: int, now: str
+    prev: dict | None,
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    generation: int,
+    now: str,
 ) -> dict:
+    value = "True" if status else "False"
     old = find_condition(prev, type_)
-    since = old.get("lastTransitionTime") if old and old.get("status") == status else None
+    since = old.get("lastTransitionTime") if old and old.get("status") == value else None
     return {
         "type": type_,
-        "status": status,
+        "status": value,
         "reason": reason,
         "message": message,
         "lastTransitionTime": since or now,
         "observedGeneration": generation,
     }
+
+
+# Each condition as (status, reason, message), from the Deployment (None: none serves) and
+# the spec problem the operator found (None: none).
+
+
+def ready(d: DeploymentView | None, problem: Problem | None) -> tuple[bool, str, str]:
+    if d is None:
+        detail = f": {problem.message}" if problem else ""
+        return (
+            False,
+            problem.reason if problem else "DeploymentMissing",
+            "no serving Deployment" + detail,
+        )
+    if d.desired == 0:
+        return False, "ScaledToZero", "0 replicas requested"
+    message = f"{d.ready}/{d.desired} replicas ready"
+    if d.ready >= d.desired:
+        return True, "MinimumReplicasReady", message
+    return False, "ReplicasNotReady", message
+
+
+def progressing(d: DeploymentView | None, problem: Problem | None) -> tuple[bool, str, str]:
+    if problem:
+        return False, problem.reason, "the spec is not applied"
+    if d is None:
+        return True, "Reconciling", "creating the serving Deployment"
+    if d.deadline_exceeded:
+        return False, "ProgressDeadlineExceeded", d.deadline_exceeded
+    if d.rollout_complete:
+        return False, "RolloutComplete", f"{d.updated}/{d.desired} replicas updated and available"
+    return (
+        True,
+        "RolloutInProgress",
+        f"{d.updated}/{d.desired} replicas updated, {d.ready} ready, {d.replicas} total",
+    )
+
+
+def degraded(d: DeploymentView | None, problem: Problem | None) -> tuple[bool, str, str]:
+    if problem:
+        return True, problem.reason, problem.message
+    if d and d.replica_failure:
+        return True, "ReplicaFailure", d.replica_failure
+    if d and d.deadline_exceeded:
+        return True, "ProgressDeadlineExceeded", d.deadline_exceeded
+    return False, "AsExpected", ""
+
+
+CONDITIONS = ((READY, ready), (PROGRESSING, progressing), (DEGRADED, degraded))
 
 
 def compute_status(
@@ -137,65 +193,16 @@ def compute_status(
     """The status to merge-patch. Fields owned by the loops (metrics, autoscaling, tuning)
     are left out, so a merge patch keeps them."""
     now = now or now_rfc3339()
-    prev = prev or {}
     d = DeploymentView.of(deployment) if deployment else None
-
-    def cond(type_: str, status: bool, reason: str, message: str) -> dict:
-        return _condition(
-            prev, type_, "True" if status else "False", reason, message, generation, now
-        )
-
-    if d is None:
-        ready = cond(
-            READY,
-            False,
-            problem.reason if problem else "DeploymentMissing",
-            "no serving Deployment" + (f": {problem.message}" if problem else ""),
-        )
-    elif d.desired == 0:
-        ready = cond(READY, False, "ScaledToZero", "0 replicas requested")
-    elif d.ready >= d.desired:
-        ready = cond(READY, True, "MinimumReplicasReady", f"{d.ready}/{d.desired} replicas ready")
-    else:
-        ready = cond(READY, False, "ReplicasNotReady", f"{d.ready}/{d.desired} replicas ready")
-
-    if problem:
-        progressing = cond(PROGRESSING, False, problem.reason, "the spec is not applied")
-        degraded = cond(DEGRADED, True, problem.reason, problem.message)
-    elif d is None:
-        progressing = cond(PROGRESSING, True, "Reconciling", "creating the serving Deployment")
-        degraded = cond(DEGRADED, False, "AsExpected", "")
-    else:
-        if d.deadline_exceeded:
-            progressing = cond(PROGRESSING, False, "ProgressDeadlineExceeded", d.deadline_exceeded)
-        elif d.rollout_complete:
-            progressing = cond(
-                PROGRESSING,
-                False,
-                "RolloutComplete",
-                f"{d.updated}/{d.desired} replicas updated and available",
-            )
-        else:
-            progressing = cond(
-                PROGRESSING,
-                True,
-                "RolloutInProgress",
-                f"{d.updated}/{d.desired} replicas updated, {d.ready} ready, {d.replicas} total",
-            )
-        if d.replica_failure:
-            degraded = cond(DEGRADED, True, "ReplicaFailure", d.replica_failure)
-        elif d.deadline_exceeded:
-            degraded = cond(DEGRADED, True, "ProgressDeadlineExceeded", d.deadline_exceeded)
-        else:
-            degraded = cond(DEGRADED, False, "AsExpected", "")
-
     status: dict = {
         "observedGeneration": generation,
         "replicas": d.replicas if d else 0,
         "readyReplicas": d.ready if d else 0,
         "updatedReplicas": d.updated if d else 0,
         "selector": resources.selector_string(name),
-        "conditions": [ready, progressing, degraded],
+        "conditions": [
+            _condition(prev, type_, *law(d, problem), generation, now) for type_, law in CONDITIONS
+        ],
     }
     if url:
         status["url"] = url

@@ -39,16 +39,20 @@ def test_scope_is_required_and_exclusive(capsys):
     assert main(["operator", "-A", "--standalone", "--peering", "p"]) == 2
 
 
-def test_config_defaults_env_and_flags():
-    assert OperatorConfig.from_env({}) == OperatorConfig()
+def test_config_defaults_env_and_flags(monkeypatch):
+    for var in ("BATCHPILOT_SERVER_IMAGE", "BATCHPILOT_RECONCILE_INTERVAL"):
+        monkeypatch.delenv(var, raising=False)
+    assert OperatorConfig.from_env() == OperatorConfig()
     assert OperatorConfig().server_image == DEFAULT_SERVER_IMAGE
-    env = {"BATCHPILOT_SERVER_IMAGE": "env/img:2", "BATCHPILOT_RECONCILE_INTERVAL": "7.5"}
-    cfg = OperatorConfig.from_env(env)
+    monkeypatch.setenv("BATCHPILOT_SERVER_IMAGE", "env/img:2")
+    monkeypatch.setenv("BATCHPILOT_RECONCILE_INTERVAL", "7.5")
+    cfg = OperatorConfig.from_env()
     assert (cfg.server_image, cfg.reconcile_interval) == ("env/img:2", 7.5)
-    cfg = OperatorConfig.from_env(env, server_image="flag/img:3", reconcile_interval=None)
+    cfg = OperatorConfig.from_env(server_image="flag/img:3", reconcile_interval=None)
     assert (cfg.server_image, cfg.reconcile_interval) == ("flag/img:3", 7.5)
-    with pytest.raises(ValueError):
-        OperatorConfig.from_env({"BATCHPILOT_RECONCILE_INTERVAL": "0"})
+    monkeypatch.setenv("BATCHPILOT_RECONCILE_INTERVAL", "0")
+    with pytest.raises(ValueError, match="reconcile_interval"):
+        OperatorConfig.from_env()
 
 
 def test_crds_print(capsys):

@@ -274,10 +274,7 @@ def test_loop_decisions_in_status_reach_the_deployment(kube, rec):
     body = kube.add_isvc("chat", {"tuning": {"enabled": True}, "engine": {"maxNumSeqs": 32}})
     body["status"] = {"tuning": {"maxNumSeqs": 100}}
     rec.reconcile(body)
-    args = kube.objects[("Deployment", NS, "chat")]["spec"]["template"]["spec"]["containers"][0][
-        "args"
-    ]
-    assert r.parse_engine_args(args)["maxNumSeqs"] == 100
+    assert r.read_engine_settings(kube.objects[("Deployment", NS, "chat")])["maxNumSeqs"] == 100
     assert kube.status("chat")["engine"]["maxNumSeqs"] == 100
 
 

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchpilot import names
+from batchpilot.operator import drift
 from batchpilot.operator import resources as r
 from batchpilot.operator.crd import parse_spec
 from batchpilot.operator.resources import LoopState, Owner
@@ -165,7 +166,7 @@ def test_loops_are_persisted_within_bounds():
         "replicas": 1,
     }
     dep = deployment(spec, loops=LoopState(replicas=9, max_num_seqs=500, kv_cache_dtype="fp8"))
-    engine = r.parse_engine_args(container(dep)["args"])
+    engine = r.read_engine_settings(dep)
     assert (dep["spec"]["replicas"], engine["maxNumSeqs"], engine["kvCacheDtype"]) == (
         5,
         128,
@@ -174,14 +175,14 @@ def test_loops_are_persisted_within_bounds():
     # Nothing decided yet: autoscaling starts at minReplicas, the engine at spec.engine.
     dep = deployment(spec)
     assert dep["spec"]["replicas"] == 2
-    assert r.parse_engine_args(container(dep)["args"])["maxNumSeqs"] == 64
+    assert r.read_engine_settings(dep)["maxNumSeqs"] == 64
     # fp8 only when allowed; decisions are ignored while the loop is disabled.
     no_fp8 = {**spec, "tuning": {**tuning, "allowFP8KVCache": False}}
     dep = deployment(no_fp8, loops=LoopState(kv_cache_dtype="fp8"))
-    assert r.parse_engine_args(container(dep)["args"])["kvCacheDtype"] == "auto"
+    assert r.read_engine_settings(dep)["kvCacheDtype"] == "auto"
     dep = deployment({"replicas": 3}, loops=LoopState(replicas=9, max_num_seqs=9))
     assert dep["spec"]["replicas"] == 3
-    assert r.parse_engine_args(container(dep)["args"])["maxNumSeqs"] == 64
+    assert r.read_engine_settings(dep)["maxNumSeqs"] == 64
 
 
 def test_loop_state_from_status():
@@ -207,17 +208,17 @@ def test_contains_and_drifted():
         "spec": {**svc["spec"], "clusterIP": "10.0.0.3"},
         "metadata": {**svc["metadata"], "resourceVersion": "7"},
     }
-    assert not r.drifted(svc, live)
+    assert not drift.drifted(svc, live)
     edited = {**live, "spec": {**live["spec"], "selector": {"app": "other"}}}
-    assert r.drifted(svc, edited)
+    assert drift.drifted(svc, edited)
     relabeled = {**live, "metadata": {**live["metadata"], "labels": {}}}
-    assert r.drifted(svc, relabeled)
+    assert drift.drifted(svc, relabeled)
     dep = deployment({})
     # A Deployment's spec is compared by generation, not here; its metadata is.
-    assert not r.drifted(dep, {**dep, "spec": {}})
-    assert r.drifted(dep, {**dep, "metadata": {**dep["metadata"], "ownerReferences": []}})
-    assert r.contains({"a": [1, {"b": 2, "c": 3}]}, {"a": [1, {"b": 2}]})
-    assert not r.contains({"a": [1]}, {"a": [1, 2]})
+    assert not drift.drifted(dep, {**dep, "spec": {}})
+    assert drift.drifted(dep, {**dep, "metadata": {**dep["metadata"], "ownerReferences": []}})
+    assert drift.contains({"a": [1, {"b": 2, "c": 3}]}, {"a": [1, {"b": 2}]})
+    assert not drift.contains({"a": [1]}, {"a": [1, 2]})
 
 
 # --------------------------------------------------------------------------- properties
@@ -391,8 +392,9 @@ def test_properties_of_every_valid_spec(raw):
         assert pod["serviceAccountName"] == p["serviceAccountName"]
     else:
         assert pod["automountServiceAccountToken"] is False
-    # The args put exactly the spec's engine settings in force.
-    engine = r.parse_engine_args(c["args"])
+    # The Deployment records exactly the spec's engine settings, and the args carry them.
+    engine = r.read_engine_settings(dep)
+    assert engine == r.engine_settings(spec.engine)
     assert engine["maxNumSeqs"] == spec.engine.max_num_seqs
     assert engine["kvCacheDtype"] == spec.engine.kv_cache_dtype
     assert engine.get("maxModelLen") == spec.engine.max_model_len
@@ -439,7 +441,7 @@ def test_foreign_managers_and_restored():
             ],
         },
     }
-    assert r.foreign_managers(live, "batchpilot-operator") == []
+    assert drift.foreign_managers(live, "batchpilot-operator") == []
     live["metadata"]["managedFields"].append(
         {
             "manager": "kubectl-patch",
@@ -447,8 +449,8 @@ def test_foreign_managers_and_restored():
             "fieldsV1": {"f:spec": {"f:selector": {}}},
         }
     )
-    assert r.foreign_managers(live, "batchpilot-operator") == ["kubectl-patch"]
-    body = r.restored(live, svc)
+    assert drift.foreign_managers(live, "batchpilot-operator") == ["kubectl-patch"]
+    body = drift.restored(live, svc)
     assert body["spec"]["selector"] == r.selector_labels("chat")
     assert body["spec"]["clusterIP"] == "10.0.0.9" and body["spec"]["clusterIPs"] == ["10.0.0.9"]
     assert body["metadata"]["resourceVersion"] == "12" and "managedFields" not in body["metadata"]
@@ -459,4 +461,4 @@ def test_foreign_managers_and_restored():
         "data": {**secret["data"], "extra": "eA=="},
         "metadata": secret["metadata"],
     }
-    assert r.restored(live_secret, secret)["data"] == secret["data"]
+    assert drift.restored(live_secret, secret)["data"] == secret["data"]
