@@ -1,0 +1,137 @@
+"""The autoscaler's control law: desired replicas from queue length. Pure: no I/O, no clock.
+
+Each replica is worth ``slots + targetQueueLength`` requests in the system: ``slots`` is
+what it runs at once (``max_num_seqs``, or fewer when the KV cache fills first) and the
+target is how many may wait behind them. The raw recommendation is the number of such
+replicas the requests in the system (running + waiting) need; it exceeds the current count
+exactly when the queue per replica is over ``targetQueueLength`` with every slot busy.
+
+Around it, Kubernetes HPA semantics: a recommendation within a 10% tolerance of the current
+count changes nothing; scale up to the lowest recommendation of the last
+``scaleUpStabilizationSeconds`` and down to the highest of the last
+``scaleDownStabilizationSeconds``; a bounded step; min and max. Under steady load the
+recommendation is steady, so the replica count is too: it cannot flap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from batchpilot.operator.crd import AutoscalingSpec
+from batchpilot.operator.observe import Window
+
+TOLERANCE = 0.1  # HPA's default: a ratio within 10% of 1 is no reason to move
+KV_USAGE_FLOOR = 0.05  # below this the KV cache says nothing about how many sequences fit
+
+
+def max_step_up(current: int) -> int:
+    """At most double, and at least +2, per decision (HPA's default policy is +100% or +4
+    per 15 s; a model server starts in minutes, so a step that overshoots costs more)."""
+    return max(2, current)
+
+
+def max_step_down(current: int) -> int:
+    """At most halve per decision: a wrong scale-down drops capacity under load."""
+    return max(1, current // 2)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The last time the raw law recommended ``replicas``. One entry per distinct value is
+    all the stabilization windows need (they ask whether a value occurred within them), so
+    the history stays small under any window length."""
+
+    replicas: int
+    time: float
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    replicas: int
+    reason: str
+    recommendation: int  # the raw law's value this time, before stabilization
+    history: tuple[Recommendation, ...] = ()  # to store, for the next decision
+
+
+def _slots_per_replica(window: Window) -> float | None:
+    """Sequences one replica runs at once: max_num_seqs, or what its KV cache holds at the
+    observed usage per running sequence, whichever is smaller."""
+    running = window.per_replica(window.running)
+    slots = window.max_num_seqs_in_force
+    if window.kv_cache_usage > KV_USAGE_FLOOR and running > 0:
+        kv_slots = running / window.kv_cache_usage
+        slots = kv_slots if slots is None else min(slots, kv_slots)
+    if slots is None and window.waiting > 0:
+        slots = running  # saturated, and nothing better known
+    return slots
+
+
+def recommend(window: Window | None, spec: AutoscalingSpec, current: int) -> tuple[int, str]:
+    """The raw law: (replicas, why), before stabilization, steps and bounds."""
+    if window is None or window.replicas == 0:
+        return current, "no metrics: holding"
+    slots = _slots_per_replica(window)
+    if not slots:
+        return current, "idle replicas report no capacity figure: holding"
+    capacity = slots + spec.target_queue_length
+    demand = window.running + window.waiting
+    needed = demand / capacity
+    queue = window.per_replica(window.waiting)
+    facts = (
+        f"{demand:.1f} requests in the system ({queue:.1f} waiting per replica, target "
+        f"{spec.target_queue_length:g}), {slots:.1f} slots per replica"
+    )
+    if current > 0 and abs(needed / current - 1) <= TOLERANCE:
+        return current, f"{facts}: within tolerance of {current}"
+    return max(1, math.ceil(needed)), f"{facts}: needs {needed:.2f} replicas"
+
+
+def stabilize(
+    history: Sequence[Recommendation],
+    raw: int,
+    now: float,
+    spec: AutoscalingSpec,
+) -> tuple[int | None, int | None, tuple[Recommendation, ...]]:
+    """(lowest recommendation over the up-window, highest over the down-window, new history)."""
+    keep = max(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
+    latest = {r.replicas: r.time for r in history if r.time >= now - keep}
+    latest[raw] = now
+    new_history = tuple(Recommendation(n, t) for n, t in sorted(latest.items()))
+    up = [r.replicas for r in new_history if r.time >= now - spec.scale_up_stabilization_seconds]
+    down = [
+        r.replicas for r in new_history if r.time >= now - spec.scale_down_stabilization_seconds
+    ]
+    return min(up), max(down), new_history
+
+
+def decide_replicas(
+    window: Window | None,
+    spec: AutoscalingSpec,
+    current: int,
+    now: float,
+    history: Sequence[Recommendation] = (),
+) -> ScaleDecision:
+    raw, why = recommend(window, spec, current)
+    # A service seen for the first time has its current count as the only recommendation
+    # so far: a first burst waits out the up-window like any other.
+    history = history or (Recommendation(current, now),)
+    up_rec, down_rec, new_history = stabilize(history, raw, now, spec)
+    if current < up_rec:
+        target = min(up_rec, current + max_step_up(current))
+        reason = f"scale up: {why}"
+        if target < up_rec:
+            reason += f"; step bounded to +{max_step_up(current)}"
+    elif current > down_rec:
+        target = max(down_rec, current - max_step_down(current))
+        reason = f"scale down: {why}"
+        if target > down_rec:
+            reason += f"; step bounded to -{max_step_down(current)}"
+    else:
+        target = current
+        reason = why if raw == current else f"stabilizing at {current}: {why}"
+    bounded = min(spec.max_replicas, max(spec.min_replicas, target))
+    if bounded != target:
+        reason += f"; held within [{spec.min_replicas}, {spec.max_replicas}]"
+    return ScaleDecision(bounded, reason, raw, new_history)

@@ -1,0 +1,409 @@
+"""What the closed loop sees: each replica's /metrics, scraped, parsed and windowed.
+
+Two metrics sources share one interface (``MetricsSource``): ``PodMetricsSource`` scrapes
+every Ready pod of an InferenceService on its pod IP, ``UrlMetricsSource`` a fixed list of
+base URLs (tests, benchmarks, servers outside the cluster). Both return one ``Scrape`` per
+replica; a replica that does not answer, or answers something that is not the server's
+metrics, is skipped and counted, never raised.
+
+``Observer`` keeps, per service and per replica, the parsed samples of the last
+``window_seconds`` and turns them into a ``Window``: gauges averaged over the window,
+counter rates (resets handled as Prometheus' ``increase`` does) and latency P99s from
+histogram bucket deltas. Parsing goes through ``prometheus_client.parser`` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any, Protocol
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from batchpilot import names
+from batchpilot.operator import resources
+
+SCRAPE_TIMEOUT_SECONDS = 2.0
+DEFAULT_WINDOW_SECONDS = 60.0
+
+GAUGES = (
+    names.NUM_REQUESTS_WAITING,
+    names.NUM_REQUESTS_RUNNING,
+    names.NUM_REQUESTS_SWAPPED,
+    names.KV_CACHE_USAGE,
+    names.MAX_NUM_SEQS_METRIC,
+)
+COUNTERS = (
+    names.NUM_PREEMPTIONS,
+    names.SWAPS_OUT,
+    names.SWAPS_IN,
+    names.GENERATION_TOKENS,
+    names.PROMPT_TOKENS,
+)
+HISTOGRAMS = (names.TIME_TO_FIRST_TOKEN, names.INTER_TOKEN_LATENCY)
+
+Buckets = tuple[tuple[float, float], ...]  # ((upper bound "le", cumulative count), ...)
+
+
+# --------------------------------------------------------------------------- sources
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """One replica's answer: its base URL (also where its /admin/config lives) and either
+    the /metrics text or why there is none."""
+
+    url: str
+    text: str | None = None
+    error: str | None = None
+
+
+class MetricsSource(Protocol):
+    async def scrape(self, namespace: str, name: str) -> list[Scrape]: ...
+
+
+async def scrape_urls(urls: Iterable[str], timeout: float = SCRAPE_TIMEOUT_SECONDS) -> list[Scrape]:
+    """GET <url>/metrics for every base URL at once; errors become Scrape.error."""
+    client_timeout = aiohttp.ClientTimeout(total=timeout)
+    async with aiohttp.ClientSession(timeout=client_timeout) as session:
+        return list(await asyncio.gather(*(_scrape_one(session, u) for u in urls)))
+
+
+async def _scrape_one(session: aiohttp.ClientSession, url: str) -> Scrape:
+    try:
+        async with session.get(url.rstrip("/") + "/metrics") as resp:
+            if resp.status != 200:
+                return Scrape(url, error=f"HTTP {resp.status}")
+            return Scrape(url, text=await resp.text())
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as e:
+        return Scrape(url, error=f"{type(e).__name__}: {e}".rstrip(": "))
+
+
+class UrlMetricsSource:
+    """A fixed list of replica base URLs (http://host:port), whatever the service."""
+
+    def __init__(self, urls: Sequence[str], timeout: float = SCRAPE_TIMEOUT_SECONDS):
+        self.urls = list(urls)
+        self.timeout = timeout
+
+    async def scrape(self, namespace: str, name: str) -> list[Scrape]:
+        return await scrape_urls(self.urls, self.timeout)
+
+
+class PodMetricsSource:
+    """In-cluster: every Ready pod of the service, on its pod IP and the server's port.
+
+    ``core`` is a kubernetes ``CoreV1Api``; its synchronous list call runs in a thread so
+    the operator's event loop never blocks on the API server."""
+
+    def __init__(
+        self, core: Any, port: int = resources.PORT, timeout: float = SCRAPE_TIMEOUT_SECONDS
+    ):
+        self.core = core
+        self.port = port
+        self.timeout = timeout
+
+    async def scrape(self, namespace: str, name: str) -> list[Scrape]:
+        pods = await asyncio.to_thread(
+            self.core.list_namespaced_pod,
+            namespace,
+            label_selector=resources.selector_string(name),
+        )
+        return await scrape_urls(ready_pod_urls(pods.items, self.port), self.timeout)
+
+
+def ready_pod_urls(pods: Iterable[Any], port: int) -> list[str]:
+    """Base URLs of pods that are Ready, have an IP and are not terminating."""
+    urls = []
+    for pod in pods:
+        status = pod.status
+        if pod.metadata.deletion_timestamp or not status or not status.pod_ip:
+            continue
+        ready = any(c.type == "Ready" and c.status == "True" for c in status.conditions or [])
+        if ready:
+            host = f"[{status.pod_ip}]" if ":" in status.pod_ip else status.pod_ip
+            urls.append(f"http://{host}:{port}")
+    return sorted(urls)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+class MalformedMetrics(ValueError):
+    """The text is not Prometheus exposition, or not a batchpilot server's."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One replica's metrics at one time, summed over label sets (one model per server)."""
+
+    time: float
+    gauges: dict[str, float]
+    counters: dict[str, float]
+    buckets: dict[str, Buckets]
+    kv_cache_dtype: str | None = None
+
+
+def parse_metrics(text: str, now: float) -> Sample:
+    gauges: dict[str, float] = {}
+    counters: dict[str, float] = {}
+    buckets: dict[str, dict[float, float]] = {h: {} for h in HISTOGRAMS}
+    kv_dtype = None
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name in GAUGES:
+                    gauges[s.name] = gauges.get(s.name, 0.0) + s.value
+                elif s.name in COUNTERS:
+                    counters[s.name] = counters.get(s.name, 0.0) + s.value
+                elif s.name.endswith("_bucket") and family.name in buckets:
+                    le = float(s.labels["le"])
+                    by_le = buckets[family.name]
+                    by_le[le] = by_le.get(le, 0.0) + s.value
+                elif s.name == names.KV_CACHE_INFO:
+                    kv_dtype = s.labels.get("dtype", kv_dtype)
+    except (ValueError, KeyError, TypeError) as e:
+        raise MalformedMetrics(f"unparseable metrics: {e}") from e
+    if names.NUM_REQUESTS_RUNNING not in gauges:
+        raise MalformedMetrics(f"no {names.NUM_REQUESTS_RUNNING}: not a batchpilot server")
+    return Sample(
+        time=now,
+        gauges=gauges,
+        counters=counters,
+        buckets={h: tuple(sorted(b.items())) for h, b in buckets.items()},
+        kv_cache_dtype=kv_dtype,
+    )
+
+
+# --------------------------------------------------------------------------- windows
+
+
+def increase(values: Sequence[float]) -> float:
+    """A counter's increase over consecutive readings; a drop means the process restarted
+    and counted from zero again (Prometheus' ``increase``)."""
+    return sum(cur - prev if cur >= prev else cur for prev, cur in pairwise(values))
+
+
+def bucket_increase(readings: Sequence[Buckets]) -> Buckets:
+    """Per-bucket increase of a cumulative histogram over consecutive readings. A reset is
+    judged on the whole histogram, so its buckets stay consistent with each other."""
+    if not readings:
+        return ()
+    les = [le for le, _ in readings[-1]]
+    total = dict.fromkeys(les, 0.0)
+    for prev, cur in pairwise(readings):
+        before, after = dict(prev), dict(cur)
+        reset = any(after.get(le, 0.0) < before.get(le, 0.0) for le in les)
+        for le in les:
+            base = 0.0 if reset else before.get(le, 0.0)
+            total[le] += after.get(le, 0.0) - base
+    return tuple(total.items())
+
+
+def merge_buckets(parts: Iterable[Buckets]) -> Buckets:
+    total: dict[float, float] = {}
+    for part in parts:
+        for le, count in part:
+            total[le] = total.get(le, 0.0) + count
+    return tuple(sorted(total.items()))
+
+
+def histogram_quantile(q: float, buckets: Buckets) -> float | None:
+    """Prometheus' histogram_quantile: linear within the bucket that holds the q-th
+    observation; in the +Inf bucket, the largest finite bound. None without observations."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            if count == below:
+                return le
+            return lower + (le - lower) * (rank - below) / (count - below)
+        lower, below = le, count
+    return lower
+
+
+@dataclass(frozen=True)
+class Window:
+    """Metrics over a time window, for one replica or summed over a service's replicas.
+
+    Queue and batch gauges are means over the window, summed over replicas; KV usage is the
+    fullest replica's mean (memory decisions must hold for every replica); rates are per
+    minute (events) or per second (tokens), summed over replicas."""
+
+    replicas: int
+    span_seconds: float
+    waiting: float
+    running: float
+    swapped: float
+    kv_cache_usage: float
+    preemptions_per_minute: float
+    swaps_per_minute: float
+    generation_tokens_per_second: float
+    ttft_buckets: Buckets = ()
+    itl_buckets: Buckets = ()
+    max_num_seqs: dict[str, int] = field(default_factory=dict)  # replica URL -> in force
+    kv_cache_dtype: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ttft_p99(self) -> float | None:
+        return histogram_quantile(0.99, self.ttft_buckets)
+
+    @property
+    def itl_p99(self) -> float | None:
+        return histogram_quantile(0.99, self.itl_buckets)
+
+    def per_replica(self, total: float) -> float:
+        return total / self.replicas if self.replicas else 0.0
+
+    @property
+    def max_num_seqs_in_force(self) -> int | None:
+        """The value most replicas report (they differ only while a change rolls out)."""
+        return _most_common(self.max_num_seqs.values())
+
+    @property
+    def kv_cache_dtype_in_force(self) -> str | None:
+        return _most_common(self.kv_cache_dtype.values())
+
+    def summary(self) -> dict:
+        """The window as status.metrics shows it (camelCase, rounded)."""
+        out = {
+            "replicasScraped": self.replicas,
+            "windowSeconds": round(self.span_seconds, 1),
+            "queueLength": round(self.waiting, 2),
+            "running": round(self.running, 2),
+            "swapped": round(self.swapped, 2),
+            "kvCacheUsage": round(self.kv_cache_usage, 3),
+            "preemptionsPerMinute": round(self.preemptions_per_minute, 2),
+            "swapsPerMinute": round(self.swaps_per_minute, 2),
+            "generationTokensPerSecond": round(self.generation_tokens_per_second, 1),
+        }
+        for key, value in (("ttftP99Seconds", self.ttft_p99), ("itlP99Seconds", self.itl_p99)):
+            if value is not None:
+                out[key] = round(value, 4)
+        return out
+
+
+def _most_common(values: Iterable[Any]) -> Any:
+    counts = Counter(values).most_common(1)
+    return counts[0][0] if counts else None
+
+
+def replica_window(url: str, samples: Sequence[Sample]) -> Window:
+    first, last = samples[0], samples[-1]
+    span = last.time - first.time
+
+    def mean(name: str) -> float:
+        return sum(s.gauges.get(name, 0.0) for s in samples) / len(samples)
+
+    def rate(*counters: str) -> float:
+        if span <= 0:
+            return 0.0
+        return sum(increase([s.counters.get(c, 0.0) for s in samples]) for c in counters) / span
+
+    mns = last.gauges.get(names.MAX_NUM_SEQS_METRIC)
+    return Window(
+        replicas=1,
+        span_seconds=span,
+        waiting=mean(names.NUM_REQUESTS_WAITING),
+        running=mean(names.NUM_REQUESTS_RUNNING),
+        swapped=mean(names.NUM_REQUESTS_SWAPPED),
+        kv_cache_usage=mean(names.KV_CACHE_USAGE),
+        preemptions_per_minute=60 * rate(names.NUM_PREEMPTIONS),
+        swaps_per_minute=60 * rate(names.SWAPS_OUT, names.SWAPS_IN),
+        generation_tokens_per_second=rate(names.GENERATION_TOKENS),
+        ttft_buckets=bucket_increase([s.buckets[names.TIME_TO_FIRST_TOKEN] for s in samples]),
+        itl_buckets=bucket_increase([s.buckets[names.INTER_TOKEN_LATENCY] for s in samples]),
+        max_num_seqs={url: int(mns)} if mns is not None else {},
+        kv_cache_dtype={url: last.kv_cache_dtype} if last.kv_cache_dtype else {},
+    )
+
+
+def merge_windows(windows: Sequence[Window]) -> Window | None:
+    if not windows:
+        return None
+    return Window(
+        replicas=sum(w.replicas for w in windows),
+        span_seconds=max(w.span_seconds for w in windows),
+        waiting=sum(w.waiting for w in windows),
+        running=sum(w.running for w in windows),
+        swapped=sum(w.swapped for w in windows),
+        kv_cache_usage=max(w.kv_cache_usage for w in windows),
+        preemptions_per_minute=sum(w.preemptions_per_minute for w in windows),
+        swaps_per_minute=sum(w.swaps_per_minute for w in windows),
+        generation_tokens_per_second=sum(w.generation_tokens_per_second for w in windows),
+        ttft_buckets=merge_buckets(w.ttft_buckets for w in windows),
+        itl_buckets=merge_buckets(w.itl_buckets for w in windows),
+        max_num_seqs={k: v for w in windows for k, v in w.max_num_seqs.items()},
+        kv_cache_dtype={k: v for w in windows for k, v in w.kv_cache_dtype.items()},
+    )
+
+
+@dataclass
+class RoundResult:
+    """One scrape round: how many replicas answered, and why the others did not."""
+
+    scraped: int = 0
+    failures: dict[str, str] = field(default_factory=dict)  # URL -> reason
+
+
+class Observer:
+    """Samples of the last ``window_seconds`` per service and replica, in memory.
+
+    Losing them (an operator restart) costs one window of observation, no decision: the
+    laws' histories live in the InferenceService's status."""
+
+    def __init__(self, window_seconds: float = DEFAULT_WINDOW_SECONDS):
+        self.window_seconds = window_seconds
+        self._samples: dict[str, dict[str, deque[Sample]]] = {}
+        self.scrape_failures_total = 0
+
+    def record(self, service: str, scrapes: Iterable[Scrape], now: float) -> RoundResult:
+        replicas = self._samples.setdefault(service, {})
+        result = RoundResult()
+        for scrape in scrapes:
+            try:
+                if scrape.text is None:
+                    raise MalformedMetrics(scrape.error or "no answer")
+                sample = parse_metrics(scrape.text, now)
+            except MalformedMetrics as e:
+                result.failures[scrape.url] = str(e)
+                continue
+            replicas.setdefault(scrape.url, deque()).append(sample)
+            result.scraped += 1
+        self.scrape_failures_total += len(result.failures)
+        self._prune(replicas, now)
+        return result
+
+    def _prune(self, replicas: dict[str, deque[Sample]], now: float) -> None:
+        horizon = now - self.window_seconds
+        for url in list(replicas):
+            samples = replicas[url]
+            while samples and samples[0].time < horizon:
+                samples.popleft()
+            if not samples:
+                del replicas[url]  # gone for a whole window: scaled down or replaced
+
+    def replica_windows(self, service: str, since: float | None = None) -> dict[str, Window]:
+        """Per-replica windows; ``since`` drops samples from before a time (a setting
+        change: what ran before it says nothing about the new setting)."""
+        out = {}
+        for url, samples in self._samples.get(service, {}).items():
+            kept = [s for s in samples if since is None or s.time >= since]
+            if kept:
+                out[url] = replica_window(url, kept)
+        return out
+
+    def window(self, service: str, since: float | None = None) -> Window | None:
+        return merge_windows(list(self.replica_windows(service, since).values()))
+
+    def forget(self, service: str) -> None:
+        self._samples.pop(service, None)

@@ -1,0 +1,231 @@
+"""The tuner's control law: max_num_seqs and the KV-cache dtype from a metrics window.
+Pure: no I/O, no clock; the history of past changes comes in as an argument.
+
+The seed document's manual rules (§4.1, §5.1, §6), made continuous:
+
+- memory-bound (preemptions or swaps per minute over a bound): switch the KV cache to fp8
+  when allowed and not on yet (the same memory holds twice the sequences), else lower
+  max_num_seqs below the batch that actually runs;
+- latency-bound (ITL P99 over targetInterTokenLatencySeconds): lower max_num_seqs;
+- KV cache full with a queue but no thrash: fp8 when allowed, else hold (a lower
+  max_num_seqs would not add room, the engine's admission already stops at the KV limit);
+- slot-bound (running ≈ max_num_seqs, a queue, KV usage under a bound, no preemption, ITL
+  P99 with headroom under its target): raise max_num_seqs;
+- otherwise hold.
+
+Safety: spec bounds; a raise at most doubles and stops where the KV cache would pass
+``kv_raise_bound`` at today's usage per sequence; a lower takes at most a quarter off the
+batch that runs; one change per cooldown, judged on a window that starts after the last
+change; and hysteresis: a raise needs ITL P99 under ``latency_headroom`` x target while a
+lower needs it over the target, and after a lower the tuner does not raise above the
+lowered value for ``memory_seconds`` (same KV dtype). So a value that thrashed or was too
+slow is not tried again, and the setting cannot oscillate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from batchpilot.operator.crd import TuningSpec
+from batchpilot.operator.observe import Window
+
+Kind = Literal["raise", "lower", "fp8", "hold"]
+FP8 = "fp8"
+HISTORY_LENGTH = 20  # changes kept in status.tuning.history
+
+
+@dataclass(frozen=True)
+class TuneLimits:
+    """The law's thresholds. Not in the CRD: they describe the engine, not a workload."""
+
+    thrash_per_minute: float = 2.0  # preemptions or swaps per minute per replica
+    slot_busy_fraction: float = 0.85  # running >= this x max_num_seqs is "all slots busy"
+    min_waiting: float = 0.5  # mean waiting per replica that counts as a queue
+    kv_raise_bound: float = 0.85  # a raise stops where KV usage would reach this
+    kv_full: float = 0.95  # KV usage that counts as full
+    latency_headroom: float = 0.8  # raise only with ITL P99 under this x target
+    raise_factor: float = 2.0  # most a raise multiplies max_num_seqs by
+    lower_factor: float = 0.75  # a lower sets max_num_seqs to this x the running batch
+    min_window_seconds: float = 20.0  # least observation after a change before judging it
+    memory_seconds: float = 1800.0  # how long a lowered value caps later raises
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    max_num_seqs: int
+    kv_cache_dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class TuneRecord:
+    """A past change, as status.tuning.history keeps it."""
+
+    time: float
+    kind: Kind
+    max_num_seqs: int  # after the change
+    previous_max_num_seqs: int
+    kv_cache_dtype: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class TuneDecision:
+    kind: Kind
+    max_num_seqs: int
+    kv_cache_dtype: str
+    reason: str
+    inputs: dict = field(default_factory=dict)
+
+    @property
+    def changes(self) -> bool:
+        return self.kind != "hold"
+
+
+def is_fp8(dtype: str) -> bool:
+    return dtype.startswith(FP8)
+
+
+def last_change(history: Sequence[TuneRecord]) -> TuneRecord | None:
+    return max(history, key=lambda r: r.time, default=None)
+
+
+def raise_ceiling(history: Sequence[TuneRecord], dtype: str, now: float, memory: float) -> int:
+    """The lowest value a recent lower set, for this KV dtype: raises stay at or below it."""
+    lowered = [
+        r.max_num_seqs
+        for r in history
+        if r.kind == "lower" and r.kv_cache_dtype == dtype and now - r.time < memory
+    ]
+    return min(lowered, default=math.inf)  # type: ignore[arg-type]
+
+
+def inputs_of(window: Window, settings: EngineSettings) -> dict:
+    """What the decision saw, per replica, for status and Events."""
+    per = window.per_replica
+    out = {
+        "replicas": window.replicas,
+        "windowSeconds": round(window.span_seconds, 1),
+        "maxNumSeqs": settings.max_num_seqs,
+        "kvCacheDtype": settings.kv_cache_dtype,
+        "runningPerReplica": round(per(window.running), 2),
+        "waitingPerReplica": round(per(window.waiting), 2),
+        "kvCacheUsage": round(window.kv_cache_usage, 3),
+        "preemptionsPerMinutePerReplica": round(per(window.preemptions_per_minute), 2),
+        "swapsPerMinutePerReplica": round(per(window.swaps_per_minute), 2),
+    }
+    if window.itl_p99 is not None:
+        out["itlP99Seconds"] = round(window.itl_p99, 4)
+    return out
+
+
+def decide_tuning(
+    window: Window | None,
+    spec: TuningSpec,
+    settings: EngineSettings,
+    now: float,
+    history: Sequence[TuneRecord] = (),
+    limits: TuneLimits = TuneLimits(),
+) -> TuneDecision:
+    mns, dtype = settings.max_num_seqs, settings.kv_cache_dtype
+
+    def hold(reason: str, inputs: dict | None = None) -> TuneDecision:
+        return TuneDecision("hold", mns, dtype, reason, inputs or {})
+
+    if not spec.enabled:
+        return hold("tuning disabled")
+    previous = last_change(history)
+    if previous is not None and now - previous.time < spec.cooldown_seconds:
+        left = spec.cooldown_seconds - (now - previous.time)
+        return hold(f"cooldown: {left:.0f} s left after the last {previous.kind}")
+    if window is None or window.replicas == 0:
+        return hold("no metrics")
+    inputs = inputs_of(window, settings)
+    if window.span_seconds < limits.min_window_seconds:
+        return hold(f"observing: {window.span_seconds:.0f} s of metrics so far", inputs)
+
+    lo, hi = spec.max_num_seqs.min, spec.max_num_seqs.max
+    running = window.per_replica(window.running)
+    waiting = window.per_replica(window.waiting)
+    thrash = max(window.per_replica(window.preemptions_per_minute),
+                 window.per_replica(window.swaps_per_minute))  # fmt: skip
+    itl, target = window.itl_p99, spec.target_inter_token_latency_seconds
+    fp8_allowed = spec.allow_fp8_kv_cache and not is_fp8(dtype)
+
+    def decided(kind: Kind, new_mns: int, new_dtype: str, reason: str) -> TuneDecision:
+        return TuneDecision(kind, new_mns, new_dtype, reason, inputs)
+
+    def lowered(why: str) -> TuneDecision:
+        batch = min(mns, running)  # max_num_seqs above the running batch changes nothing
+        new = max(lo, min(mns - 1, math.floor(batch * limits.lower_factor)))
+        if new >= mns:
+            return hold(f"{why}; max_num_seqs is at its minimum {lo}", inputs)
+        return decided("lower", new, dtype, f"{why}: max_num_seqs {mns} -> {new}")
+
+    if thrash > limits.thrash_per_minute:
+        why = (
+            f"memory-bound: {thrash:.1f} preemptions or swaps per minute per replica "
+            f"(bound {limits.thrash_per_minute:g})"
+        )
+        if fp8_allowed:
+            return decided("fp8", mns, FP8, f"{why}: KV cache {dtype} -> fp8")
+        return lowered(why)
+    if itl is not None and itl > target:
+        return lowered(
+            f"latency-bound: ITL P99 {itl * 1000:.0f} ms over the {target * 1000:.0f} ms target"
+        )
+    if window.kv_cache_usage >= limits.kv_full and waiting >= limits.min_waiting:
+        why = f"KV cache {window.kv_cache_usage:.0%} full with {waiting:.1f} waiting per replica"
+        if fp8_allowed:
+            return decided("fp8", mns, FP8, f"{why}: KV cache {dtype} -> fp8")
+        return hold(f"{why}: fp8 not allowed or on, and fewer slots would not add room", inputs)
+
+    slot_bound = running >= limits.slot_busy_fraction * mns and waiting >= limits.min_waiting
+    if not slot_bound:
+        return hold(
+            f"not slot-bound: {running:.1f} of {mns} slots busy, {waiting:.1f} waiting", inputs
+        )
+    if thrash > 0:
+        return hold(
+            f"slot-bound but {thrash:.1f} preemptions or swaps per minute: not raising", inputs
+        )
+    if itl is not None and itl > limits.latency_headroom * target:
+        return hold(
+            f"slot-bound but ITL P99 {itl * 1000:.0f} ms leaves no headroom under the "
+            f"{target * 1000:.0f} ms target",
+            inputs,
+        )
+    new = _raised(mns, running, window.kv_cache_usage, hi, limits)
+    ceiling = raise_ceiling(history, dtype, now, limits.memory_seconds)
+    if ceiling < new:
+        new = int(ceiling)
+    if new <= mns:
+        why = "the bound" if new >= hi else "a recently lowered value or the KV cache's room"
+        return hold(f"slot-bound but max_num_seqs {mns} is at {why}", inputs)
+    return decided(
+        "raise",
+        new,
+        dtype,
+        f"slot-bound: {running:.1f} of {mns} slots busy, {waiting:.1f} waiting, KV {window.kv_cache_usage:.0%}: max_num_seqs {mns} -> {new}",
+    )
+
+
+def _raised(mns: int, running: float, kv_usage: float, hi: int, limits: TuneLimits) -> int:
+    """Double at most, and no further than the KV cache holds at today's usage per sequence."""
+    new = math.ceil(mns * limits.raise_factor)
+    if kv_usage > 0 and running > 0:
+        new = min(new, math.floor(running * limits.kv_raise_bound / kv_usage))
+    return min(hi, new)
+
+
+def record(decision: TuneDecision, previous_max_num_seqs: int, now: float) -> TuneRecord:
+    return TuneRecord(
+        time=now,
+        kind=decision.kind,
+        max_num_seqs=decision.max_num_seqs,
+        previous_max_num_seqs=previous_max_num_seqs,
+        kv_cache_dtype=decision.kv_cache_dtype,
+        reason=decision.reason,
+    )
