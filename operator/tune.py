@@ -121,6 +121,27 @@ def inputs_of(window: Window, settings: EngineSettings) -> dict:
     return out
 
 
+@dataclass(frozen=True)
+class Signals:
+    """The window reduced to what the law compares, per replica."""
+
+    running: float
+    waiting: float
+    kv_usage: float
+    thrash: float  # preemptions or swaps per minute, whichever is higher
+    itl_p99: float | None
+
+    @classmethod
+    def of(cls, w: Window) -> Signals:
+        return cls(
+            running=w.per_replica(w.running),
+            waiting=w.per_replica(w.waiting),
+            kv_usage=w.kv_cache_usage,
+            thrash=max(w.per_replica(w.preemptions_per_minute), w.per_replica(w.swaps_per_minute)),
+            itl_p99=w.itl_p99,
+        )
+
+
 def decide_tuning(
     window: Window | None,
     spec: TuningSpec,
@@ -129,10 +150,10 @@ def decide_tuning(
     history: Sequence[TuneRecord] = (),
     limits: TuneLimits = TuneLimits(),
 ) -> TuneDecision:
-    mns, dtype = settings.max_num_seqs, settings.kv_cache_dtype
-
     def hold(reason: str, inputs: dict | None = None) -> TuneDecision:
-        return TuneDecision("hold", mns, dtype, reason, inputs or {})
+        return TuneDecision(
+            "hold", settings.max_num_seqs, settings.kv_cache_dtype, reason, inputs or {}
+        )
 
     if not spec.enabled:
         return hold("tuning disabled")
@@ -145,71 +166,110 @@ def decide_tuning(
     inputs = inputs_of(window, settings)
     if window.span_seconds < limits.min_window_seconds:
         return hold(f"observing: {window.span_seconds:.0f} s of metrics so far", inputs)
+    law = _Law(spec, settings, Signals.of(window), limits, inputs)
+    return law.memory() or law.latency() or law.kv_full() or law.slots(history, now)
 
-    lo, hi = spec.max_num_seqs.min, spec.max_num_seqs.max
-    running = window.per_replica(window.running)
-    waiting = window.per_replica(window.waiting)
-    thrash = max(window.per_replica(window.preemptions_per_minute),
-                 window.per_replica(window.swaps_per_minute))  # fmt: skip
-    itl, target = window.itl_p99, spec.target_inter_token_latency_seconds
-    fp8_allowed = spec.allow_fp8_kv_cache and not is_fp8(dtype)
 
-    def decided(kind: Kind, new_mns: int, new_dtype: str, reason: str) -> TuneDecision:
-        return TuneDecision(kind, new_mns, new_dtype, reason, inputs)
+@dataclass(frozen=True)
+class _Law:
+    """The rules in priority order; each returns a decision, or None when it does not apply."""
 
-    def lowered(why: str) -> TuneDecision:
-        batch = min(mns, running)  # max_num_seqs above the running batch changes nothing
-        new = max(lo, min(mns - 1, math.floor(batch * limits.lower_factor)))
-        if new >= mns:
-            return hold(f"{why}; max_num_seqs is at its minimum {lo}", inputs)
-        return decided("lower", new, dtype, f"{why}: max_num_seqs {mns} -> {new}")
+    spec: TuningSpec
+    settings: EngineSettings
+    s: Signals
+    limits: TuneLimits
+    inputs: dict
 
-    if thrash > limits.thrash_per_minute:
-        why = (
-            f"memory-bound: {thrash:.1f} preemptions or swaps per minute per replica "
-            f"(bound {limits.thrash_per_minute:g})"
+    def _decided(self, kind: Kind, reason: str, mns: int | None = None, dtype: str | None = None):
+        return TuneDecision(
+            kind,
+            self.settings.max_num_seqs if mns is None else mns,
+            dtype or self.settings.kv_cache_dtype,
+            reason,
+            self.inputs,
         )
-        if fp8_allowed:
-            return decided("fp8", mns, FP8, f"{why}: KV cache {dtype} -> fp8")
-        return lowered(why)
-    if itl is not None and itl > target:
-        return lowered(
+
+    @property
+    def fp8_allowed(self) -> bool:
+        return self.spec.allow_fp8_kv_cache and not is_fp8(self.settings.kv_cache_dtype)
+
+    def _fp8(self, why: str) -> TuneDecision:
+        return self._decided(
+            "fp8", f"{why}: KV cache {self.settings.kv_cache_dtype} -> fp8", dtype=FP8
+        )
+
+    def _lower(self, why: str) -> TuneDecision:
+        mns, lo = self.settings.max_num_seqs, self.spec.max_num_seqs.min
+        batch = min(mns, self.s.running)  # max_num_seqs above the running batch changes nothing
+        new = max(lo, min(mns - 1, math.floor(batch * self.limits.lower_factor)))
+        if new >= mns:
+            return self._decided("hold", f"{why}; max_num_seqs is at its minimum {lo}")
+        return self._decided("lower", f"{why}: max_num_seqs {mns} -> {new}", mns=new)
+
+    def memory(self) -> TuneDecision | None:
+        if self.s.thrash <= self.limits.thrash_per_minute:
+            return None
+        why = (
+            f"memory-bound: {self.s.thrash:.1f} preemptions or swaps per minute per replica "
+            f"(bound {self.limits.thrash_per_minute:g})"
+        )
+        return self._fp8(why) if self.fp8_allowed else self._lower(why)
+
+    def latency(self) -> TuneDecision | None:
+        itl, target = self.s.itl_p99, self.spec.target_inter_token_latency_seconds
+        if itl is None or itl <= target:
+            return None
+        return self._lower(
             f"latency-bound: ITL P99 {itl * 1000:.0f} ms over the {target * 1000:.0f} ms target"
         )
-    if window.kv_cache_usage >= limits.kv_full and waiting >= limits.min_waiting:
-        why = f"KV cache {window.kv_cache_usage:.0%} full with {waiting:.1f} waiting per replica"
-        if fp8_allowed:
-            return decided("fp8", mns, FP8, f"{why}: KV cache {dtype} -> fp8")
-        return hold(f"{why}: fp8 not allowed or on, and fewer slots would not add room", inputs)
 
-    slot_bound = running >= limits.slot_busy_fraction * mns and waiting >= limits.min_waiting
-    if not slot_bound:
-        return hold(
-            f"not slot-bound: {running:.1f} of {mns} slots busy, {waiting:.1f} waiting", inputs
+    def kv_full(self) -> TuneDecision | None:
+        s = self.s
+        if s.kv_usage < self.limits.kv_full or s.waiting < self.limits.min_waiting:
+            return None
+        why = f"KV cache {s.kv_usage:.0%} full with {s.waiting:.1f} waiting per replica"
+        if self.fp8_allowed:
+            return self._fp8(why)
+        return self._decided(
+            "hold", f"{why}: fp8 not allowed or on, and fewer slots would not add room"
         )
-    if thrash > 0:
-        return hold(
-            f"slot-bound but {thrash:.1f} preemptions or swaps per minute: not raising", inputs
+
+    def slots(self, history: Sequence[TuneRecord], now: float) -> TuneDecision:
+        s, mns, lim = self.s, self.settings.max_num_seqs, self.limits
+        target = self.spec.target_inter_token_latency_seconds
+        if s.running < lim.slot_busy_fraction * mns or s.waiting < lim.min_waiting:
+            return self._decided(
+                "hold",
+                f"not slot-bound: {s.running:.1f} of {mns} slots busy, {s.waiting:.1f} waiting",
+            )
+        if s.thrash > 0:
+            return self._decided(
+                "hold",
+                f"slot-bound but {s.thrash:.1f} preemptions or swaps per minute: not raising",
+            )
+        if s.itl_p99 is not None and s.itl_p99 > lim.latency_headroom * target:
+            return self._decided(
+                "hold",
+                f"slot-bound but ITL P99 {s.itl_p99 * 1000:.0f} ms leaves no headroom under "
+                f"the {target * 1000:.0f} ms target",
+            )
+        new = _raised(mns, s.running, s.kv_usage, self.spec.max_num_seqs.max, lim)
+        ceiling = raise_ceiling(history, self.settings.kv_cache_dtype, now, lim.memory_seconds)
+        if ceiling < new:
+            new = int(ceiling)
+        if new <= mns:
+            at = (
+                "its bound"
+                if new >= self.spec.max_num_seqs.max
+                else "a recently lowered value or the KV cache's room"
+            )
+            return self._decided("hold", f"slot-bound but max_num_seqs {mns} is at {at}")
+        return self._decided(
+            "raise",
+            f"slot-bound: {s.running:.1f} of {mns} slots busy, {s.waiting:.1f} waiting, "
+            f"KV {s.kv_usage:.0%}: max_num_seqs {mns} -> {new}",
+            mns=new,
         )
-    if itl is not None and itl > limits.latency_headroom * target:
-        return hold(
-            f"slot-bound but ITL P99 {itl * 1000:.0f} ms leaves no headroom under the "
-            f"{target * 1000:.0f} ms target",
-            inputs,
-        )
-    new = _raised(mns, running, window.kv_cache_usage, hi, limits)
-    ceiling = raise_ceiling(history, dtype, now, limits.memory_seconds)
-    if ceiling < new:
-        new = int(ceiling)
-    if new <= mns:
-        why = "the bound" if new >= hi else "a recently lowered value or the KV cache's room"
-        return hold(f"slot-bound but max_num_seqs {mns} is at {why}", inputs)
-    return decided(
-        "raise",
-        new,
-        dtype,
-        f"slot-bound: {running:.1f} of {mns} slots busy, {waiting:.1f} waiting, KV {window.kv_cache_usage:.0%}: max_num_seqs {mns} -> {new}",
-    )
 
 
 def _raised(mns: int, running: float, kv_usage: float, hi: int, limits: TuneLimits) -> int:
