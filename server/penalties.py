@@ -40,20 +40,18 @@ def apply_logit_bias(logits: torch.Tensor, biases: Sequence[Mapping[int, float] 
         logits.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
 
 
-def apply_penalties(logits: torch.Tensor, prompt_token_ids: Sequence[Sequence[int]],
+def apply_penalties(logits: torch.Tensor, rows: Sequence[int],
+                    prompt_token_ids: Sequence[Sequence[int]],
                     output_token_ids: Sequence[Sequence[int]], presence: Sequence[float],
                     frequency: Sequence[float], repetition: Sequence[float]) -> None:  # fmt: skip
-    rows = [
-        i
-        for i, (p, f, r) in enumerate(zip(presence, frequency, repetition, strict=True))
-        if p != 0.0 or f != 0.0 or r != 1.0
-    ]
+    """rows: the rows that asked for a penalty; the other arguments hold one entry per
+    row in rows, so a step without penalties builds nothing."""
     if not rows:
         return
     vocab, device = logits.shape[-1], logits.device
-    prompt_counts = token_counts([prompt_token_ids[i] for i in rows], vocab, device)
-    output_counts = token_counts([output_token_ids[i] for i in rows], vocab, device)
-    column = lambda values: torch.tensor([values[i] for i in rows], device=device)[:, None]  # noqa: E731
+    prompt_counts = token_counts(prompt_token_ids, vocab, device)
+    output_counts = token_counts(output_token_ids, vocab, device)
+    column = lambda values: torch.tensor(values, device=device)[:, None]  # noqa: E731
     rep = column(repetition)
     sub = logits[rows]
     penalized = torch.where(sub > 0, sub / rep, sub * rep)
