@@ -3,8 +3,16 @@
 Each replica is worth ``slots + targetQueueLength`` requests in the system: ``slots`` is
 what it runs at once (``max_num_seqs``, or fewer when the KV cache fills first) and the
 target is how many may wait behind them. The raw recommendation is the number of such
-replicas the requests in the system (running + waiting) need; it exceeds the current count
-exactly when the queue per replica is over ``targetQueueLength`` with every slot busy.
+replicas the requests in the system (running + waiting, from the latest scrape) need; it
+exceeds the current count exactly when the queue per replica is over ``targetQueueLength``
+with every slot busy.
+
+Requests in the system do not shrink in proportion to replicas: fewer replicas run bigger
+batches, and a bigger batch steps slower (Little's law with a service time that grows with
+the batch). So a scale-down must also pass a throughput test: the tokens per second the
+service generates now, shared by fewer replicas, must stay under 90% of what one replica
+was measured to sustain while it had a queue (``capacity``, kept in status). Without that
+figure a scale-down relies on slots alone; the first saturation measures it.
 
 Around it, Kubernetes HPA semantics: a recommendation within a 10% tolerance of the current
 count changes nothing; scale up to the lowest recommendation of the last
@@ -24,6 +32,7 @@ from batchpilot.operator.observe import Window
 
 TOLERANCE = 0.1  # HPA's default: a ratio within 10% of 1 is no reason to move
 KV_USAGE_FLOOR = 0.05  # below this the KV cache says nothing about how many sequences fit
+SATURATED_QUEUE = 1.0  # mean waiting per replica over the window that counts as saturated
 
 
 def max_step_up(current: int) -> int:
@@ -48,11 +57,19 @@ class Recommendation:
 
 
 @dataclass(frozen=True)
+class ScaleHistory:
+    """What the law remembers between decisions (status.autoscaling keeps it)."""
+
+    recommendations: tuple[Recommendation, ...] = ()
+    capacity: float | None = None  # generation tokens/s one replica sustained with a queue
+
+
+@dataclass(frozen=True)
 class ScaleDecision:
     replicas: int
     reason: str
     recommendation: int  # the raw law's value this time, before stabilization
-    history: tuple[Recommendation, ...] = ()  # to store, for the next decision
+    history: ScaleHistory = ScaleHistory()  # to store, for the next decision
 
 
 def _slots_per_replica(window: Window) -> float | None:
@@ -68,24 +85,43 @@ def _slots_per_replica(window: Window) -> float | None:
     return slots
 
 
-def recommend(window: Window | None, spec: AutoscalingSpec, current: int) -> tuple[int, str]:
+def measured_capacity(window: Window | None, previous: float | None) -> float | None:
+    """A replica's sustainable generation rate, measured whenever the replicas had a queue
+    over the whole window (then they generate as fast as they can); else the last figure."""
+    if window is None or window.replicas == 0:
+        return previous
+    saturated = window.per_replica(window.waiting) >= SATURATED_QUEUE
+    rate = window.per_replica(window.generation_tokens_per_second)
+    return rate if saturated and rate > 0 else previous
+
+
+def recommend(
+    window: Window | None, spec: AutoscalingSpec, current: int, capacity: float | None
+) -> tuple[int, str]:
     """The raw law: (replicas, why), before stabilization, steps and bounds."""
     if window is None or window.replicas == 0:
         return current, "no metrics: holding"
     slots = _slots_per_replica(window)
     if not slots:
         return current, "idle replicas report no capacity figure: holding"
-    capacity = slots + spec.target_queue_length
-    demand = window.running + window.waiting
-    needed = demand / capacity
-    queue = window.per_replica(window.waiting)
+    demand = window.running_now + window.waiting_now
+    needed = demand / (slots + spec.target_queue_length)
     facts = (
-        f"{demand:.1f} requests in the system ({queue:.1f} waiting per replica, target "
-        f"{spec.target_queue_length:g}), {slots:.1f} slots per replica"
+        f"{demand:.1f} requests in the system ({window.per_replica(window.waiting_now):.1f} "
+        f"waiting per replica, target {spec.target_queue_length:g}), {slots:.1f} slots per replica"
     )
     if current > 0 and abs(needed / current - 1) <= TOLERANCE:
         return current, f"{facts}: within tolerance of {current}"
-    return max(1, math.ceil(needed)), f"{facts}: needs {needed:.2f} replicas"
+    raw = max(1, math.ceil(needed))
+    if raw < current and capacity:
+        rate = window.generation_tokens_per_second
+        floor = min(current, math.ceil(rate / (capacity * (1 - TOLERANCE))))
+        if floor > raw:
+            return floor, (
+                f"{facts}: needs {needed:.2f} replicas by slots, but {rate:.0f} tokens/s at "
+                f"{capacity:.0f} per replica needs {floor}"
+            )
+    return raw, f"{facts}: needs {needed:.2f} replicas"
 
 
 def stabilize(
@@ -93,7 +129,7 @@ def stabilize(
     raw: int,
     now: float,
     spec: AutoscalingSpec,
-) -> tuple[int | None, int | None, tuple[Recommendation, ...]]:
+) -> tuple[int, int, tuple[Recommendation, ...]]:
     """(lowest recommendation over the up-window, highest over the down-window, new history)."""
     keep = max(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
     latest = {r.replicas: r.time for r in history if r.time >= now - keep}
@@ -111,13 +147,14 @@ def decide_replicas(
     spec: AutoscalingSpec,
     current: int,
     now: float,
-    history: Sequence[Recommendation] = (),
+    history: ScaleHistory = ScaleHistory(),
 ) -> ScaleDecision:
-    raw, why = recommend(window, spec, current)
+    capacity = measured_capacity(window, history.capacity)
+    raw, why = recommend(window, spec, current, capacity)
     # A service seen for the first time has its current count as the only recommendation
     # so far: a first burst waits out the up-window like any other.
-    history = history or (Recommendation(current, now),)
-    up_rec, down_rec, new_history = stabilize(history, raw, now, spec)
+    recommendations = history.recommendations or (Recommendation(current, now),)
+    up_rec, down_rec, kept = stabilize(recommendations, raw, now, spec)
     if current < up_rec:
         target = min(up_rec, current + max_step_up(current))
         reason = f"scale up: {why}"
@@ -134,4 +171,4 @@ def decide_replicas(
     bounded = min(spec.max_replicas, max(spec.min_replicas, target))
     if bounded != target:
         reason += f"; held within [{spec.min_replicas}, {spec.max_replicas}]"
-    return ScaleDecision(bounded, reason, raw, new_history)
+    return ScaleDecision(bounded, reason, raw, ScaleHistory(kept, capacity))

@@ -27,7 +27,12 @@ from datetime import UTC, datetime
 
 from batchpilot import names
 from batchpilot.operator.admin_client import AdminClient
-from batchpilot.operator.autoscale import Recommendation, ScaleDecision, decide_replicas
+from batchpilot.operator.autoscale import (
+    Recommendation,
+    ScaleDecision,
+    ScaleHistory,
+    decide_replicas,
+)
 from batchpilot.operator.crd import InferenceServiceSpec
 from batchpilot.operator.observe import MetricsSource, Observer
 from batchpilot.operator.tune import (
@@ -100,24 +105,33 @@ def tune_record_status(r: TuneRecord) -> dict:
     }
 
 
-def scale_history(status: dict) -> list[Recommendation]:
-    out = []
-    for d in (status.get("autoscaling") or {}).get("recommendations") or []:
+def scale_history(status: dict) -> ScaleHistory:
+    autoscaling = status.get("autoscaling") or {}
+    recommendations = []
+    for d in autoscaling.get("recommendations") or []:
         try:
-            out.append(Recommendation(int(d["replicas"]), parse_timestamp(d["time"])))
+            recommendations.append(Recommendation(int(d["replicas"]), parse_timestamp(d["time"])))
         except (KeyError, TypeError, ValueError):
             continue
-    return out
+    capacity = autoscaling.get("capacityTokensPerSecond")
+    return ScaleHistory(
+        tuple(recommendations), float(capacity) if isinstance(capacity, int | float) else None
+    )
 
 
 def autoscaling_status(d: ScaleDecision, now: float) -> dict:
-    return {
+    out = {
         "desiredReplicas": d.replicas,
         "recommendation": d.recommendation,
         "reason": d.reason,
         "time": timestamp(now),
-        "recommendations": [{"replicas": r.replicas, "time": timestamp(r.time)} for r in d.history],
+        "recommendations": [
+            {"replicas": r.replicas, "time": timestamp(r.time)} for r in d.history.recommendations
+        ],
     }
+    if d.history.capacity is not None:
+        out["capacityTokensPerSecond"] = round(d.history.capacity, 1)
+    return out
 
 
 def tuning_status(d: TuneDecision, history: list[TuneRecord], now: float) -> dict:

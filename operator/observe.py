@@ -245,9 +245,12 @@ class Window:
     running: float
     swapped: float
     kv_cache_usage: float
+    kv_cache_usage_peak: float  # the fullest sample of the fullest replica
     preemptions_per_minute: float
     swaps_per_minute: float
     generation_tokens_per_second: float
+    waiting_now: float = 0.0  # the latest scrape's queue, summed over replicas
+    running_now: float = 0.0
     ttft_buckets: Buckets = ()
     itl_buckets: Buckets = ()
     max_num_seqs: dict[str, int] = field(default_factory=dict)  # replica URL -> in force
@@ -317,9 +320,12 @@ def replica_window(url: str, samples: Sequence[Sample]) -> Window:
         running=mean(names.NUM_REQUESTS_RUNNING),
         swapped=mean(names.NUM_REQUESTS_SWAPPED),
         kv_cache_usage=mean(names.KV_CACHE_USAGE),
+        kv_cache_usage_peak=max(s.gauges.get(names.KV_CACHE_USAGE, 0.0) for s in samples),
         preemptions_per_minute=60 * rate(names.NUM_PREEMPTIONS),
         swaps_per_minute=60 * rate(names.SWAPS_OUT, names.SWAPS_IN),
         generation_tokens_per_second=rate(names.GENERATION_TOKENS),
+        waiting_now=last.gauges.get(names.NUM_REQUESTS_WAITING, 0.0),
+        running_now=last.gauges.get(names.NUM_REQUESTS_RUNNING, 0.0),
         ttft_buckets=bucket_increase([s.buckets[names.TIME_TO_FIRST_TOKEN] for s in samples]),
         itl_buckets=bucket_increase([s.buckets[names.INTER_TOKEN_LATENCY] for s in samples]),
         max_num_seqs={url: int(mns)} if mns is not None else {},
@@ -337,9 +343,12 @@ def merge_windows(windows: Sequence[Window]) -> Window | None:
         running=sum(w.running for w in windows),
         swapped=sum(w.swapped for w in windows),
         kv_cache_usage=max(w.kv_cache_usage for w in windows),
+        kv_cache_usage_peak=max(w.kv_cache_usage_peak for w in windows),
         preemptions_per_minute=sum(w.preemptions_per_minute for w in windows),
         swaps_per_minute=sum(w.swaps_per_minute for w in windows),
         generation_tokens_per_second=sum(w.generation_tokens_per_second for w in windows),
+        waiting_now=sum(w.waiting_now for w in windows),
+        running_now=sum(w.running_now for w in windows),
         ttft_buckets=merge_buckets(w.ttft_buckets for w in windows),
         itl_buckets=merge_buckets(w.itl_buckets for w in windows),
         max_num_seqs={k: v for w in windows for k, v in w.max_num_seqs.items()},

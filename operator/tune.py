@@ -48,9 +48,10 @@ class TuneLimits:
     kv_full: float = 0.95  # KV usage that counts as full
     latency_headroom: float = 0.8  # raise only with ITL P99 under this x target
     raise_factor: float = 2.0  # most a raise multiplies max_num_seqs by
+    min_raise_fraction: float = 0.1  # a smaller raise is not worth a decision
     lower_factor: float = 0.75  # a lower sets max_num_seqs to this x the running batch
     min_window_seconds: float = 20.0  # least observation after a change before judging it
-    memory_seconds: float = 1800.0  # how long a lowered value caps later raises
+    memory_seconds: float = 3600.0  # how long a lowered value caps later raises
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ class Signals:
     running: float
     waiting: float
     kv_usage: float
+    kv_peak: float
     thrash: float  # preemptions or swaps per minute, whichever is higher
     itl_p99: float | None
 
@@ -137,6 +139,7 @@ class Signals:
             running=w.per_replica(w.running),
             waiting=w.per_replica(w.waiting),
             kv_usage=w.kv_cache_usage,
+            kv_peak=w.kv_cache_usage_peak,
             thrash=max(w.per_replica(w.preemptions_per_minute), w.per_replica(w.swaps_per_minute)),
             itl_p99=w.itl_p99,
         )
@@ -253,11 +256,11 @@ class _Law:
                 f"slot-bound but ITL P99 {s.itl_p99 * 1000:.0f} ms leaves no headroom under "
                 f"the {target * 1000:.0f} ms target",
             )
-        new = _raised(mns, s.running, s.kv_usage, self.spec.max_num_seqs.max, lim)
+        new = _raised(mns, s.running, s.kv_peak, self.spec.max_num_seqs.max, lim)
         ceiling = raise_ceiling(history, self.settings.kv_cache_dtype, now, lim.memory_seconds)
         if ceiling < new:
             new = int(ceiling)
-        if new <= mns:
+        if new < mns * (1 + lim.min_raise_fraction):
             at = (
                 "its bound"
                 if new >= self.spec.max_num_seqs.max
@@ -272,11 +275,12 @@ class _Law:
         )
 
 
-def _raised(mns: int, running: float, kv_usage: float, hi: int, limits: TuneLimits) -> int:
-    """Double at most, and no further than the KV cache holds at today's usage per sequence."""
+def _raised(mns: int, running: float, kv_peak: float, hi: int, limits: TuneLimits) -> int:
+    """Double at most, and no further than the KV cache holds at the window's peak usage
+    per running sequence (sequences grow: the mean would promise room that fills later)."""
     new = math.ceil(mns * limits.raise_factor)
-    if kv_usage > 0 and running > 0:
-        new = min(new, math.floor(running * limits.kv_raise_bound / kv_usage))
+    if kv_peak > 0 and running > 0:
+        new = min(new, math.floor(running * limits.kv_raise_bound / kv_peak))
     return min(hi, new)
 
 
