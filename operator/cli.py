@@ -29,7 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the operator (default), or write the CRDs",
     )
     _scope_arguments(parser.add_argument_group("scope (one of)"))
-    _operator_arguments(parser.add_argument_group("operator"))
+    operator = parser.add_argument_group("operator")
+    _config_arguments(operator)
+    _kopf_arguments(operator)
     _crds_arguments(parser.add_argument_group("crds"))
 
 
@@ -50,7 +52,8 @@ def _scope_arguments(scope: argparse._ArgumentGroup) -> None:
     )
 
 
-def _operator_arguments(run: argparse._ArgumentGroup) -> None:
+def _config_arguments(run: argparse._ArgumentGroup) -> None:
+    """OperatorConfig's fields: each flag overrides its environment variable."""
     run.add_argument(
         "--server-image",
         default=None,
@@ -70,13 +73,32 @@ def _operator_arguments(run: argparse._ArgumentGroup) -> None:
         help=f"for status.url (${env_var('cluster_domain')}; default cluster.local)",
     )
     run.add_argument(
+        "--loop-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=f"closed-loop (autoscaling, tuning) period (${env_var('loop_interval')}; default 15)",
+    )
+    run.add_argument(
+        "--metrics-urls",
+        type=lambda v: [u.strip() for u in v.split(",") if u.strip()],
+        default=None,
+        metavar="URL,...",
+        help="scrape and tune these replica base URLs instead of the Ready pods "
+        f"(servers outside the cluster, tests; ${env_var('metrics_urls')})",
+    )
+    run.add_argument(
         "--liveness",
         nargs="?",
         const=DEFAULT_LIVENESS,
         default=None,
         metavar="URL",
-        help=f"serve a liveness probe (bare --liveness: {DEFAULT_LIVENESS})",
+        help=f"serve a liveness probe, and /metrics on its port (bare --liveness: "
+        f"{DEFAULT_LIVENESS}; ${env_var('liveness')})",
     )
+
+
+def _kopf_arguments(run: argparse._ArgumentGroup) -> None:
     run.add_argument(
         "--standalone", action="store_true", help="no peering even if a KopfPeering object exists"
     )
@@ -129,11 +151,7 @@ def run(args: argparse.Namespace) -> int:
 
     from batchpilot.operator.handlers import make_registry
 
-    config = OperatorConfig.from_env(
-        server_image=args.server_image,
-        reconcile_interval=args.reconcile_interval,
-        cluster_domain=args.cluster_domain,
-    )
+    config = OperatorConfig.from_env(**{f: getattr(args, f) for f in OperatorConfig.model_fields})
     kopf.configure(
         debug=args.debug,
         verbose=args.verbose,
@@ -155,7 +173,6 @@ def run(args: argparse.Namespace) -> int:
         standalone=args.standalone or None,
         peering_name=args.peering,
         priority=args.priority if args.priority is not None else random.randint(1, 1_000_000),
-        liveness_endpoint=args.liveness,
     )
     return 0
 

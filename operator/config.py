@@ -3,8 +3,10 @@ the flags of `batchpilot operator`."""
 
 from __future__ import annotations
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from batchpilot import __version__
 
@@ -28,6 +30,23 @@ class OperatorConfig(BaseSettings):
     their watch events)."""
     cluster_domain: str = "cluster.local"
     """For status.url: http://<service>.<namespace>.svc.<cluster_domain>:<port>."""
+    loop_interval: float = Field(15.0, gt=0)
+    """Seconds between two rounds of the closed loop (scrape, decide, apply) of each
+    InferenceService with autoscaling or tuning enabled."""
+    metrics_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Replica base URLs (http://host:port) the loop scrapes and tunes instead of the
+    service's Ready pods, for every InferenceService: servers outside the cluster, tests.
+    Comma-separated in the environment."""
+    liveness: str | None = None
+    """Serve /healthz (liveness) and /metrics (the operator's own metrics) at this URL's
+    host and port, e.g. http://0.0.0.0:8080/healthz."""
+
+    @field_validator("metrics_urls", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [u.strip() for u in value.split(",") if u.strip()]
+        return value
 
     @classmethod
     def from_env(cls, **flags) -> OperatorConfig:

@@ -235,17 +235,32 @@ class ServerSpec(_Camel):
     """Waiting requests beyond this get 429 with Retry-After (the server's --max-queue-len)."""
 
 
+class KedaSpec(_Camel):
+    """The KEDA ScaledObject's Prometheus trigger (autoscaling.mode: keda)."""
+
+    server_address: str | None = Field(None, max_length=1024, pattern=r"^https?://\S+$")
+    """The Prometheus that scrapes the servers, e.g. http://prometheus.monitoring:9090."""
+    query: str | None = Field(None, max_length=4096)
+    """PromQL whose value is the service's waiting requests. Default:
+    sum(vllm:num_requests_waiting{namespace="<namespace>",service="<name>"})."""
+
+
 class AutoscalingSpec(_Camel):
-    """Replicas from queue length. While enabled, the operator owns the replica count and
-    spec.replicas is ignored."""
+    """Replicas from queue length. mode builtin: the operator owns the replica count and
+    spec.replicas is ignored. mode hpa or keda: the operator emits a HorizontalPodAutoscaler
+    or a KEDA ScaledObject that drives spec.replicas through the scale subresource."""
 
     enabled: bool = False
+    mode: Literal["builtin", "hpa", "keda"] = "builtin"
+    """Who scales: the operator's own loop, an HPA on the external metric
+    vllm:num_requests_waiting (needs an external metrics adapter), or KEDA."""
     min_replicas: int = Field(1, ge=1, le=1000)
     max_replicas: int = Field(4, ge=1, le=1000)
     target_queue_length: float = Field(4.0, gt=0, le=100_000)
     """Waiting requests per replica to aim for."""
     scale_up_stabilization_seconds: int = Field(30, ge=0, le=3600)
     scale_down_stabilization_seconds: int = Field(300, ge=0, le=86400)
+    keda: KedaSpec = Field(default_factory=KedaSpec)
 
     rules = (
         Rule(
@@ -253,7 +268,17 @@ class AutoscalingSpec(_Camel):
             message="autoscaling.minReplicas must be <= autoscaling.maxReplicas",
             check=lambda a: a.min_replicas <= a.max_replicas,
         ),
+        Rule(
+            cel="self.mode != 'keda' || has(self.keda.serverAddress)",
+            message="autoscaling.keda.serverAddress is required with mode keda",
+            check=lambda a: a.mode != "keda" or a.keda.server_address is not None,
+        ),
     )
+
+    @property
+    def builtin(self) -> bool:
+        """Does the operator's own loop set the replica count?"""
+        return self.enabled and self.mode == "builtin"
 
 
 class IntRange(_Camel):
@@ -587,6 +612,7 @@ def printer_columns() -> list[dict]:
             "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
         },
         {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
+        # The settings the Deployment records: the tuner's too (max_num_seqs live).
         {"name": "MaxNumSeqs", "type": "integer", "jsonPath": ".status.engine.maxNumSeqs"},
         {"name": "KV", "type": "string", "jsonPath": ".status.engine.kvCacheDtype"},
         {"name": "URL", "type": "string", "jsonPath": ".status.url"},

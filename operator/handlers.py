@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import json
 import logging
 import secrets
@@ -24,7 +23,7 @@ from typing import Any
 
 import kopf
 
-from batchpilot.operator import drift, resources, status
+from batchpilot.operator import drift, probes, resources, status
 from batchpilot.operator.config import FIELD_MANAGER, FINALIZER, OperatorConfig
 from batchpilot.operator.crd import (
     GROUP,
@@ -36,7 +35,14 @@ from batchpilot.operator.crd import (
     check_name,
     parse_spec,
 )
-from batchpilot.operator.kube import ApiException, Kube, load_configuration, new_api_client
+from batchpilot.operator.kube import (
+    ApiException,
+    Kube,
+    load_configuration,
+    new_api_client,
+    post_event,
+)
+from batchpilot.operator.loop_timer import LoopTimer, loop_wanted
 from batchpilot.operator.resources import LoopState, Owner
 from batchpilot.operator.status import Problem
 
@@ -127,42 +133,14 @@ class Reconciler:
         meta = body["metadata"]
         ns, name, generation = meta["namespace"], meta["name"], meta.get("generation", 1)
         prev = body.get("status") or {}
-        owner = Owner.from_body(body)
-        url = None
-        deployment = None
+        url = deployment = None
         spec, problem = self._check(body, ns)
         if spec is not None and problem is None:
-            token = self._admin_token(owner)
-            children = resources.build_children(
-                owner,
-                spec,
-                image=spec.image or self.config.server_image,
-                admin_token=token,
-                loops=LoopState.from_status(prev),
-            )
-            try:
-                # A dry run of the Deployment first: the API server validates the pass-through
-                # fields (affinity, volumes, env) before any child exists, so a bad spec never
-                # leaves half-built children.
-                self.kube.apply(children[-1], dry_run=True)
-                applied = [self._apply(child, logger) for child in children]
-            except ApiException as e:
-                if e.status not in _PERMANENT_APPLY_STATUSES:
-                    raise  # transient: kopf retries with backoff
-                problem = Problem(
-                    _PERMANENT_APPLY_STATUSES[e.status],
-                    f"the API server rejected a child: {_api_message(e)}",
-                )
-            else:
-                for child in children:
-                    self._desired[(ns, child["kind"], child["metadata"]["name"])] = child
-                deployment = applied[-1]
-                self._applied_generation[(ns, name)] = deployment["metadata"]["generation"]
-                url = resources.service_url(name, ns, self.config.cluster_domain)
+            deployment, problem = self._build(Owner.from_body(body), spec, prev, logger)
+            url = resources.service_url(name, ns, self.config.cluster_domain)
         if problem is not None:
             deployment = self.kube.read("apps/v1", "Deployment", ns, name)
-            if deployment is not None:
-                url = prev.get("url")
+            url = prev.get("url") if deployment is not None else None
         new = status.compute_status(
             name=name,
             generation=generation,
@@ -172,6 +150,38 @@ class Reconciler:
             url=url,
         )
         self._write_status(body, prev, new, problem, logger)
+
+    def _build(
+        self, owner: Owner, spec: InferenceServiceSpec, prev: dict, logger
+    ) -> tuple[dict | None, Problem | None]:
+        """Apply every child; (the live Deployment, None), or (None, the problem) when the
+        API server refuses them for good."""
+        children = resources.build_children(
+            owner,
+            spec,
+            image=spec.image or self.config.server_image,
+            admin_token=self._admin_token(owner),
+            loops=LoopState.from_status(prev),
+        )
+        (deployment,) = [c for c in children if c["kind"] == "Deployment"]
+        try:
+            # A dry run of the Deployment first: the API server validates the pass-through
+            # fields (affinity, volumes, env) before any child exists, so a bad spec never
+            # leaves half-built children.
+            self.kube.apply(deployment, dry_run=True)
+            applied = {child["kind"]: self._apply(child, logger) for child in children}
+            for api_version, kind in resources.stale_kinds(spec):
+                self.kube.delete(api_version, kind, owner.namespace, owner.name)
+        except ApiException as e:
+            if e.status not in _PERMANENT_APPLY_STATUSES:
+                raise  # transient: kopf retries with backoff
+            reason = _PERMANENT_APPLY_STATUSES[e.status]
+            return None, Problem(reason, f"the API server rejected a child: {_api_message(e)}")
+        for child in children:
+            self._desired[(owner.namespace, child["kind"], child["metadata"]["name"])] = child
+        live = applied["Deployment"]
+        self._applied_generation[(owner.namespace, owner.name)] = live["metadata"]["generation"]
+        return live, None
 
     def _apply(self, child: dict, logger) -> dict:
         live = self.kube.apply(child)
@@ -213,21 +223,28 @@ class Reconciler:
                 status.SERVICE_ACCOUNT_NOT_FOUND,
                 f"spec.pod.serviceAccountName: ServiceAccount {sa!r} not found in namespace {ns!r}",
             )
+        kind = resources.autoscaler_kind(spec)
+        if kind and not self.kube.serves(*kind):
+            return spec, Problem(
+                status.AUTOSCALER_NOT_SERVED,
+                f"spec.autoscaling.mode {spec.autoscaling.mode}: the API server serves no "
+                f"{kind[1]} ({kind[0]}); install it or choose another mode",
+            )
         return spec, None
+
+    def read_admin_token(self, owner: Owner) -> str | None:
+        """The token in the owned Secret, if there is a readable one."""
+        secret = self.kube.read("v1", "Secret", owner.namespace, resources.secret_name(owner.name))
+        raw = ((secret or {}).get("data") or {}).get(resources.SECRET_TOKEN_KEY)
+        try:
+            return base64.b64decode(raw or "", validate=True).decode() or None
+        except (binascii.Error, UnicodeDecodeError):
+            return None
 
     def _admin_token(self, owner: Owner) -> str:
         """The token in the owned Secret, or a new one when there is none (first reconcile,
         or the Secret was deleted: the pods then roll to the new token)."""
-        secret = self.kube.read("v1", "Secret", owner.namespace, resources.secret_name(owner.name))
-        if secret is not None:
-            raw = (secret.get("data") or {}).get(resources.SECRET_TOKEN_KEY)
-            try:
-                token = base64.b64decode(raw or "", validate=True).decode()
-            except (binascii.Error, UnicodeDecodeError):
-                token = ""
-            if token:
-                return token
-        return secrets.token_urlsafe(32)
+        return self.read_admin_token(owner) or secrets.token_urlsafe(32)
 
     def _write_status(
         self, body: dict, prev: dict, new: dict, problem: Problem | None, logger
@@ -241,7 +258,7 @@ class Reconciler:
             was.get("status") != "True" or was.get("message") != now.get("message")
         ):
             logger.warning("Degraded (%s): %s", now.get("reason"), now.get("message"))
-            _post(body, "Warning", now["reason"], now["message"])
+            post_event(body, "Warning", now["reason"], now["message"])
         if problem is None and prev.get("observedGeneration") != new["observedGeneration"]:
             engine = new.get("engine") or {}
             message = (
@@ -249,7 +266,7 @@ class Reconciler:
                 + ", ".join(f"{k}={v}" for k, v in sorted(engine.items()))
             )
             logger.info("Applied %s", message)
-            _post(body, "Normal", "Applied", message)
+            post_event(body, "Normal", "Applied", message)
 
     # ------------------------------------------------------------------ child events
 
@@ -310,12 +327,6 @@ class Reconciler:
             self.reconcile_by_name(*owner, logger)
 
 
-def _post(body: dict, type_: str, reason: str, message: str) -> None:
-    # Outside a running operator (unit tests) there is nothing to post through.
-    with contextlib.suppress(LookupError):
-        kopf.event(body, type=type_, reason=reason, message=message[:1024])
-
-
 def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     # Watches: the server ends each watch cleanly before the client gives up on it, a dead
     # connection is noticed by the client timeout, and reconnects back off a little.
@@ -326,7 +337,12 @@ def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) 
     settings.networking.request_timeout = 60
     settings.networking.connect_timeout = 10
     # Children are watched through a server-side label selector: only the operator's own.
-    for resource in (("apps", "deployments"), "services", ("policy", "poddisruptionbudgets")):
+    for resource in (
+        ("apps", "deployments"),
+        "services",
+        "configmaps",
+        ("policy", "poddisruptionbudgets"),
+    ):
         settings.watching.label_selectors[resource] = resources.MANAGED_SELECTOR
     # Kopf's bookkeeping lives in batchpilot.dev annotations, never in our status.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
@@ -360,20 +376,40 @@ def connection_info(c: Any, settings: kopf.OperatorSettings) -> kopf.ConnectionI
 
 
 def make_registry(
-    config: OperatorConfig, reconciler: Reconciler | None = None
+    config: OperatorConfig, reconciler: Reconciler | None = None, timer: LoopTimer | None = None
 ) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     rec = reconciler or Reconciler(config)
-    isvc = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
-    managed = {resources.LABEL_MANAGED_BY: resources.MANAGED_BY}
+    _register_operator(registry, config)
+    _register_inference_services(registry, config, rec, timer or LoopTimer(config, rec))
+    _register_children(registry, rec)
+    return registry
+
+
+def _register_operator(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    """Settings, credentials, and the liveness and metrics endpoint."""
+    endpoint: list[Any] = []  # the running HTTP server, if any
 
     @kopf.on.startup(id="configure", registry=registry)
-    def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         configure_settings(settings, config)
+        if config.liveness:
+            endpoint.append(await probes.serve(config.liveness))
+
+    @kopf.on.cleanup(id="probes", registry=registry)
+    async def cleanup(**_: Any) -> None:
+        while endpoint:
+            await endpoint.pop().cleanup()
 
     @kopf.on.login(id="login", registry=registry)
     def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
         return connection_info(load_configuration(), settings)
+
+
+def _register_inference_services(
+    registry: kopf.OperatorRegistry, config: OperatorConfig, rec: Reconciler, timer: LoopTimer
+) -> None:
+    isvc = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
 
     @kopf.on.resume(**isvc, id="reconcile", backoff=5)
     @kopf.on.create(**isvc, id="reconcile", backoff=5)
@@ -391,15 +427,28 @@ def make_registry(
     def resync(namespace: str, name: str, logger: Any, **_: Any) -> None:
         rec.reconcile_by_name(namespace, name, logger)
 
+    @kopf.timer(
+        **isvc,
+        id="loop",
+        interval=config.loop_interval,
+        backoff=config.loop_interval,
+        when=lambda spec, **_: loop_wanted(spec),
+    )
+    async def loop(body: kopf.Body, logger: Any, **_: Any) -> None:
+        await timer.tick(plain(body), logger)
+
+
+def _register_children(registry: kopf.OperatorRegistry, rec: Reconciler) -> None:
+    managed = {resources.LABEL_MANAGED_BY: resources.MANAGED_BY}
+
     @kopf.on.event("apps", "v1", "deployments", id="deployment", labels=managed, registry=registry)
     def deployment_event(event: dict, body: kopf.Body, logger: Any, **_: Any) -> None:
         rec.on_deployment_event(event.get("type"), plain(body), logger)
 
     @kopf.on.event("", "v1", "services", id="child", labels=managed, registry=registry)
+    @kopf.on.event("", "v1", "configmaps", id="child", labels=managed, registry=registry)
     @kopf.on.event(
         "policy", "v1", "poddisruptionbudgets", id="child", labels=managed, registry=registry
     )
     def child_event(event: dict, body: kopf.Body, logger: Any, **_: Any) -> None:
         rec.on_child_event(event.get("type"), plain(body), logger)
-
-    return registry

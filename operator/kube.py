@@ -6,12 +6,16 @@ maps (apiVersion, kind) to a REST path, so a new child kind needs no code here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
+import time
 from typing import Any
 
+import kopf
 from kubernetes import client, config, dynamic
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from batchpilot.operator.config import FIELD_MANAGER
 from batchpilot.operator.crd import API_VERSION, KIND
@@ -20,6 +24,9 @@ ApiException = client.ApiException
 
 MERGE = "application/merge-patch+json"
 TIMEOUT = (10, 30)  # connect, read seconds
+# A kind the API server does not serve (KEDA not installed) is looked up again after this:
+# each miss costs the discovery client a full rediscovery.
+UNSERVED_RETRY_SECONDS = 60.0
 
 
 def load_configuration() -> client.Configuration:
@@ -48,18 +55,36 @@ class Kube:
         # Discovery is cached here, under a lock: the client's own cache is not thread-safe
         # and the handlers run in a thread pool.
         self._resources: dict[tuple[str, str], Any] = {}
+        self._unserved: dict[tuple[str, str], float] = {}  # kind -> when found missing
         self._discovery = threading.Lock()
 
     def resource(self, api_version: str, kind: str) -> Any:
         """The REST resource of a kind; ResourceNotFoundError when the API server serves
         no such kind (a CRD not installed, e.g. KEDA's)."""
+        key = (api_version, kind)
         with self._discovery:
-            key = (api_version, kind)
-            if key not in self._resources:
-                self._resources[key] = self.dynamic.resources.get(
-                    api_version=api_version, kind=kind
-                )
-            return self._resources[key]
+            if key in self._resources:
+                return self._resources[key]
+            missing_since = self._unserved.get(key)
+            if (
+                missing_since is not None
+                and time.monotonic() - missing_since < UNSERVED_RETRY_SECONDS
+            ):
+                raise ResourceNotFoundError(f"{kind} ({api_version}) is not served")
+            try:
+                found = self.dynamic.resources.get(api_version=api_version, kind=kind)
+            except ResourceNotFoundError:
+                self._unserved[key] = time.monotonic()
+                raise
+            self._resources[key] = found
+            return found
+
+    def serves(self, api_version: str, kind: str) -> bool:
+        try:
+            self.resource(api_version, kind)
+        except ResourceNotFoundError:
+            return False
+        return True
 
     def _call(self, verb: str, resource: Any, **kwargs) -> dict:
         resp = getattr(self.dynamic, verb)(
@@ -100,6 +125,19 @@ class Kube:
                 return None
             raise
 
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Delete if present; whether something was deleted (a kind the API server does not
+        serve has nothing to delete)."""
+        if not self.serves(api_version, kind):
+            return False
+        try:
+            self._call("delete", self.resource(api_version, kind), name=name, namespace=namespace)
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
+
     def read_isvc(self, namespace: str, name: str) -> dict | None:
         return self.read(API_VERSION, KIND, namespace, name)
 
@@ -119,3 +157,10 @@ class Kube:
 
     def service_account_exists(self, namespace: str, name: str) -> bool:
         return self.read("v1", "ServiceAccount", namespace, name) is not None
+
+
+def post_event(body: dict, type_: str, reason: str, message: str) -> None:
+    """An Event on the object, through kopf's poster (batched, rate-limited)."""
+    # Outside a running operator (unit tests) there is nothing to post through.
+    with contextlib.suppress(LookupError):
+        kopf.event(body, type=type_, reason=reason, message=message[:1024])

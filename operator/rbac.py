@@ -20,7 +20,15 @@ RULES: list[dict] = [
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": CHILD_VERBS},
     {"apiGroups": [""], "resources": ["services"], "verbs": CHILD_VERBS},
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": CHILD_VERBS},
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": CHILD_VERBS},
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch", "update"]},
+    # The autoscaler the spec may ask for instead of the built-in one; removed when it no
+    # longer does.
+    {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"],
+     "verbs": [*CHILD_VERBS, "delete"]},
+    {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": [*CHILD_VERBS, "delete"]},
+    # The closed loop scrapes the Ready pods of each service.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
     # Checked before building: the model's claim and the pods' ServiceAccount exist.
     {"apiGroups": [""], "resources": ["persistentvolumeclaims", "serviceaccounts"],
      "verbs": ["get"]},

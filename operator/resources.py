@@ -69,7 +69,18 @@ MANAGED_FLAGS = frozenset(
     + [k.flag for k in ENGINE_KNOBS]
     + ["--no-" + k.flag[2:] for k in ENGINE_KNOBS if k.name in _BOOL_KNOBS]
 )
-RESERVED_ENV = frozenset([names.ADMIN_TOKEN_ENV])
+# While the tuner is on, max_num_seqs reaches new pods through this variable, read from the
+# service's ConfigMap: a tuned value changes the ConfigMap, never the pod template, so it
+# rolls nothing (running pods get it live through /admin/config).
+MAX_NUM_SEQS_ENV = "BATCHPILOT_MAX_NUM_SEQS"
+RESERVED_ENV = frozenset([names.ADMIN_TOKEN_ENV, MAX_NUM_SEQS_ENV])
+
+HPA_METRIC = names.NUM_REQUESTS_WAITING
+KEDA_API_VERSION = "keda.sh/v1alpha1"
+# Children that exist only in some autoscaling modes: (apiVersion, kind), named like the
+# service. The reconcile deletes those the spec no longer asks for.
+HPA_KIND = ("autoscaling/v2", "HorizontalPodAutoscaler")
+SCALED_OBJECT_KIND = (KEDA_API_VERSION, "ScaledObject")
 
 
 @dataclass(frozen=True)
@@ -138,8 +149,10 @@ def _default_name(source: str) -> str:
 
 
 def desired_replicas(spec: InferenceServiceSpec, loops: LoopState) -> int:
+    """The built-in autoscaler's decision within bounds; otherwise spec.replicas, which the
+    user, their HPA or the emitted HPA/ScaledObject set through the scale subresource."""
     a = spec.autoscaling
-    if not a.enabled:
+    if not a.builtin:
         return spec.replicas
     return _clamp(
         loops.replicas if loops.replicas is not None else a.min_replicas,
@@ -188,13 +201,17 @@ def _num(v: float | int) -> str:
     return str(v) if isinstance(v, int) else f"{v:g}"
 
 
-def engine_args(engine: EngineSpec) -> list[str]:
+def engine_args(engine: EngineSpec, *, live_max_num_seqs: bool = False) -> list[str]:
+    """The engine flags; with ``live_max_num_seqs`` (the tuner on) --max-num-seqs reads the
+    ConfigMap-backed variable, which Kubernetes expands in args."""
     args = ["--dtype", engine.dtype]
     for knob in ENGINE_KNOBS:
         value = getattr(engine, _field(knob))
         if value is None:
             continue
-        if knob.name in _BOOL_KNOBS:
+        if knob is names.MAX_NUM_SEQS and live_max_num_seqs:
+            args.append(f"{knob.flag}=$({MAX_NUM_SEQS_ENV})")
+        elif knob.name in _BOOL_KNOBS:
             args.append(knob.flag if value else "--no-" + knob.flag[2:])
         else:
             args += [knob.flag, value if isinstance(value, str) else _num(value)]
@@ -212,7 +229,7 @@ def server_args(spec: InferenceServiceSpec, engine: EngineSpec, model: ModelPlan
         model.arg,
         "--served-model-name",
         model.served_name,
-        *engine_args(engine),
+        *engine_args(engine, live_max_num_seqs=spec.tuning.enabled),
         "--max-queue-len",
         str(s.max_queue_len),
         "--shutdown-timeout",
@@ -288,6 +305,10 @@ def secret_name(name: str) -> str:
     return f"{name}-admin-token"
 
 
+def config_map_name(name: str) -> str:
+    return f"{name}-engine"
+
+
 def service_url(name: str, namespace: str, cluster_domain: str) -> str:
     return f"http://{name}.{namespace}.svc.{cluster_domain}:{PORT}"
 
@@ -312,6 +333,16 @@ def build_secret(owner: Owner, token: str) -> dict:
         "metadata": _metadata(owner, secret_name(owner.name)),
         "type": "Opaque",
         "data": {SECRET_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def build_config_map(owner: Owner, engine: EngineSpec) -> dict:
+    """The engine settings the tuner changes without a rollout: new pods read them here."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(owner, config_map_name(owner.name)),
+        "data": {names.MAX_NUM_SEQS.name: str(engine.max_num_seqs)},
     }
 
 
@@ -374,6 +405,9 @@ def server_env(owner: Owner, spec: InferenceServiceSpec) -> list[dict]:
             },
         }
     ]
+    if spec.tuning.enabled:
+        ref = {"name": config_map_name(owner.name), "key": names.MAX_NUM_SEQS.name}
+        env.append({"name": MAX_NUM_SEQS_ENV, "valueFrom": {"configMapKeyRef": ref}})
     if spec.model.source.startswith("hf://"):
         env.append({"name": "HF_HUB_OFFLINE", "value": "1"})  # pre-cached: never download
     return env + [e.to_api() for e in spec.pod.env]
@@ -492,6 +526,109 @@ def build_deployment(
     }
 
 
+def quantity(value: float) -> str:
+    """A decimal value as the API server writes it back (4 -> "4", 0.5 -> "500m",
+    2000 -> "2k"): applying the canonical form keeps a re-read from looking like drift."""
+    scaled, suffixes = max(1, round(value * 1000)), ["m", "", "k", "M", "G", "T", "P", "E"]
+    i = 0
+    while scaled % 1000 == 0 and i < len(suffixes) - 1:
+        scaled, i = scaled // 1000, i + 1
+    return f"{scaled}{suffixes[i]}"
+
+
+def scale_target(owner: Owner) -> dict:
+    """HPA and KEDA scale the InferenceService through its scale subresource (spec.replicas):
+    the operator keeps owning the Deployment."""
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": owner.name}
+
+
+def hpa_behavior(spec: InferenceServiceSpec) -> dict:
+    a = spec.autoscaling
+    return {
+        "scaleUp": {"stabilizationWindowSeconds": a.scale_up_stabilization_seconds},
+        "scaleDown": {"stabilizationWindowSeconds": a.scale_down_stabilization_seconds},
+    }
+
+
+def build_hpa(owner: Owner, spec: InferenceServiceSpec) -> dict:
+    """autoscaling/v2, on the external metric vllm:num_requests_waiting of this service's
+    servers (an external metrics adapter such as prometheus-adapter serves it, with the
+    namespace and service labels its Prometheus attaches): the queue per replica is held
+    at targetQueueLength."""
+    a = spec.autoscaling
+    selector = {"matchLabels": {"namespace": owner.namespace, "service": owner.name}}
+    metric = {
+        "type": "External",
+        "external": {
+            "metric": {"name": HPA_METRIC, "selector": selector},
+            "target": {"type": "AverageValue", "averageValue": quantity(a.target_queue_length)},
+        },
+    }
+    return {
+        "apiVersion": HPA_KIND[0],
+        "kind": HPA_KIND[1],
+        "metadata": _metadata(owner, owner.name),
+        "spec": {
+            "scaleTargetRef": scale_target(owner),
+            "minReplicas": a.min_replicas,
+            "maxReplicas": a.max_replicas,
+            "metrics": [metric],
+            "behavior": hpa_behavior(spec),
+        },
+    }
+
+
+def keda_query(owner: Owner, spec: InferenceServiceSpec) -> str:
+    return spec.autoscaling.keda.query or (
+        f'sum({HPA_METRIC}{{namespace="{owner.namespace}",service="{owner.name}"}})'
+    )
+
+
+def build_scaled_object(owner: Owner, spec: InferenceServiceSpec) -> dict:
+    """A KEDA ScaledObject with a Prometheus trigger: KEDA runs the HPA and serves it the
+    query's value; threshold is the target per replica."""
+    a = spec.autoscaling
+    trigger = {
+        "type": "prometheus",
+        "metadata": {
+            "serverAddress": a.keda.server_address,
+            "query": keda_query(owner, spec),
+            "threshold": f"{a.target_queue_length:g}",
+        },
+    }
+    return {
+        "apiVersion": SCALED_OBJECT_KIND[0],
+        "kind": SCALED_OBJECT_KIND[1],
+        "metadata": _metadata(owner, owner.name),
+        "spec": {
+            "scaleTargetRef": scale_target(owner),
+            "minReplicaCount": a.min_replicas,
+            "maxReplicaCount": a.max_replicas,
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": hpa_behavior(spec)}},
+            "triggers": [trigger],
+        },
+    }
+
+
+def autoscaler_kind(spec: InferenceServiceSpec) -> tuple[str, str] | None:
+    """(apiVersion, kind) of the autoscaler the spec asks the operator to emit, if any."""
+    a = spec.autoscaling
+    return {"hpa": HPA_KIND, "keda": SCALED_OBJECT_KIND}.get(a.mode) if a.enabled else None
+
+
+def autoscaler_children(owner: Owner, spec: InferenceServiceSpec) -> list[dict]:
+    kind = autoscaler_kind(spec)
+    if kind is None:
+        return []
+    return [build_hpa(owner, spec) if kind == HPA_KIND else build_scaled_object(owner, spec)]
+
+
+def stale_kinds(spec: InferenceServiceSpec) -> list[tuple[str, str]]:
+    """(apiVersion, kind) of optional children the spec does not ask for: any left from an
+    earlier spec are deleted."""
+    return [k for k in (HPA_KIND, SCALED_OBJECT_KIND) if k != autoscaler_kind(spec)]
+
+
 def build_children(
     owner: Owner,
     spec: InferenceServiceSpec,
@@ -500,10 +637,14 @@ def build_children(
     admin_token: str,
     loops: LoopState = LoopState(),
 ) -> list[dict]:
-    """Every child, in apply order: the Deployment last, after the Secret it reads."""
+    """Every child, in apply order: what the Deployment reads (Secret, ConfigMap) before it,
+    what scales it after it."""
+    engine = effective_engine(spec, loops)
     return [
         build_secret(owner, admin_token),
+        build_config_map(owner, engine),
         build_service(owner),
         build_pdb(owner),
         build_deployment(owner, spec, image=image, admin_token=admin_token, loops=loops),
+        *autoscaler_children(owner, spec),
     ]

@@ -27,8 +27,15 @@ INVALID_SPEC = "InvalidSpec"
 MODEL_SOURCE_NOT_FOUND = "ModelSourceNotFound"
 SERVICE_ACCOUNT_NOT_FOUND = "ServiceAccountNotFound"
 APPLY_FAILED = "ApplyFailed"  # the API server refused the children (RBAC, a bad request)
+AUTOSCALER_NOT_SERVED = "AutoscalerNotServed"  # mode keda without KEDA's CRDs
 SPEC_REASONS = frozenset(
-    [INVALID_SPEC, MODEL_SOURCE_NOT_FOUND, SERVICE_ACCOUNT_NOT_FOUND, APPLY_FAILED]
+    [
+        INVALID_SPEC,
+        MODEL_SOURCE_NOT_FOUND,
+        SERVICE_ACCOUNT_NOT_FOUND,
+        APPLY_FAILED,
+        AUTOSCALER_NOT_SERVED,
+    ]
 )
 
 

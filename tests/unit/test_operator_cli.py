@@ -83,3 +83,48 @@ def test_liveness_flag():
     assert parse() is None
     assert parse("--liveness") == "http://0.0.0.0:8080/healthz"
     assert parse("--liveness", "http://127.0.0.1:9/healthz") == "http://127.0.0.1:9/healthz"
+
+
+def test_loop_flags_and_environment(monkeypatch):
+    from batchpilot.cli import build_parser
+
+    monkeypatch.setenv("BATCHPILOT_METRICS_URLS", "http://127.0.0.1:1, http://127.0.0.1:2")
+    monkeypatch.setenv("BATCHPILOT_LOOP_INTERVAL", "5")
+    cfg = OperatorConfig.from_env()
+    assert cfg.metrics_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    assert cfg.loop_interval == 5
+    args = build_parser(["operator"]).parse_args(
+        ["operator", "-A", "--metrics-urls", "http://h:9,http://h:10", "--loop-interval", "2"]
+    )
+    cfg = OperatorConfig.from_env(**{f: getattr(args, f) for f in OperatorConfig.model_fields})
+    assert cfg.metrics_urls == ["http://h:9", "http://h:10"] and cfg.loop_interval == 2
+
+
+def test_liveness_port_serves_the_operators_metrics():
+    import asyncio
+
+    import aiohttp
+
+    from batchpilot.operator import probes
+    from batchpilot.server.bench.server_process import free_port
+
+    port = free_port()
+    probes.DECISIONS.labels("raise").inc()
+    probes.DESIRED_REPLICAS.labels("team-a", "chat").set(3)
+
+    async def fetch() -> tuple[int, int, str]:
+        runner = await probes.serve(f"http://127.0.0.1:{port}/healthz")
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"http://127.0.0.1:{port}/healthz") as health:
+                    health_status = health.status
+                async with session.get(f"http://127.0.0.1:{port}/metrics") as metrics:
+                    return health_status, metrics.status, await metrics.text()
+        finally:
+            await runner.cleanup()
+
+    health, status, text = asyncio.run(fetch())
+    assert (health, status) == (200, 200)
+    assert 'batchpilot_operator_decisions_total{kind="raise"}' in text
+    assert 'batchpilot_operator_desired_replicas{name="chat",namespace="team-a"} 3.0' in text
+    assert "batchpilot_operator_scrape_failures_total" in text.replace("# HELP ", "")

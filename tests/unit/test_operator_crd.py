@@ -120,11 +120,13 @@ def test_defaults_expand_like_the_api_server():
     assert spec["engine"]["maxNumSeqs"] == 64
     assert spec["autoscaling"] == {
         "enabled": False,
+        "mode": "builtin",
         "minReplicas": 1,
         "maxReplicas": 4,
         "targetQueueLength": 4.0,
         "scaleUpStabilizationSeconds": 30,
         "scaleDownStabilizationSeconds": 300,
+        "keda": {},
     }
     assert spec["tuning"]["maxNumSeqs"] == {"min": 8, "max": 256}
     assert spec["model"] == {"source": "bundled"}
@@ -145,6 +147,9 @@ def test_defaults_expand_like_the_api_server():
         ({"engine": {"kvCacheDtype": "int4"}}, "kvCacheDtype"),
         ({"engine": {"blockSize": 12}}, "blockSize"),
         ({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "minReplicas must be <="),
+        ({"autoscaling": {"mode": "keda"}}, "keda.serverAddress is required"),
+        ({"autoscaling": {"mode": "knative"}}, "spec.autoscaling.mode"),
+        ({"autoscaling": {"keda": {"serverAddress": "prometheus:9090"}}}, "serverAddress"),
         ({"tuning": {"maxNumSeqs": {"min": 64, "max": 8}}}, "min must be <="),
         (
             {

@@ -27,6 +27,7 @@ class FakeKube:
         self.pvcs: set[str] = set()
         self.service_accounts: set[str] = {"default"}
         self.reject: dict[str, ApiException] = {}  # kind -> error on (dry-run) apply
+        self.unserved: set[str] = {"ScaledObject"}  # kinds the API server does not serve (KEDA)
 
     def add_isvc(self, name: str, spec: dict, generation: int = 1) -> dict:
         body = {
@@ -64,6 +65,15 @@ class FakeKube:
         key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
         self.objects[key] = copy.deepcopy(obj)
         return copy.deepcopy(obj)
+
+    def serves(self, api_version, kind):
+        return kind not in self.unserved
+
+    def delete(self, api_version, kind, namespace, name):
+        if not self.serves(api_version, kind):
+            return False
+        self.calls.append(("delete", kind, name))
+        return self.objects.pop((kind, namespace, name), None) is not None
 
     def read(self, api_version, kind, namespace, name):
         self.calls.append(("read", kind, name))
@@ -108,19 +118,25 @@ def test_builds_all_children_and_writes_status(kube, rec):
     body = kube.add_isvc("chat", {"engine": {"maxNumSeqs": 32}})
     rec.reconcile(body)
     assert kube.children() == [
+        ("ConfigMap", "chat-engine"),
         ("Deployment", "chat"),
         ("PodDisruptionBudget", "chat"),
         ("Secret", "chat-admin-token"),
         ("Service", "chat"),
     ]
     applies = [c[1:] for c in kube.calls if c[0] == "apply"]
-    # Validated first (dry run), then the Deployment last, after the Secret it reads.
+    # Validated first (dry run), then the Deployment after the Secret and ConfigMap it reads.
     assert applies == [
         ("Deployment", "chat", True),
         ("Secret", "chat-admin-token", False),
+        ("ConfigMap", "chat-engine", False),
         ("Service", "chat", False),
         ("PodDisruptionBudget", "chat", False),
         ("Deployment", "chat", False),
+    ]
+    # No autoscaler asked for: a left-over HPA would go (KEDA's kind is not served here).
+    assert [c for c in kube.calls if c[0] == "delete"] == [
+        ("delete", "HorizontalPodAutoscaler", "chat")
     ]
     dep = kube.objects[("Deployment", NS, "chat")]
     assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "default/img:1"
@@ -271,11 +287,55 @@ def test_deleting_objects_are_left_alone(kube, rec):
 
 
 def test_loop_decisions_in_status_reach_the_deployment(kube, rec):
-    body = kube.add_isvc("chat", {"tuning": {"enabled": True}, "engine": {"maxNumSeqs": 32}})
-    body["status"] = {"tuning": {"maxNumSeqs": 100}}
+    tuning = {"enabled": True, "allowFP8KVCache": True}
+    body = kube.add_isvc("chat", {"tuning": tuning, "engine": {"maxNumSeqs": 32}})
     rec.reconcile(body)
-    assert r.read_engine_settings(kube.objects[("Deployment", NS, "chat")])["maxNumSeqs"] == 100
+    gen = kube.objects[("Deployment", NS, "chat")]["metadata"]["generation"]
+    # A tuned max_num_seqs reaches the ConfigMap new pods read, and the recorded settings,
+    # without a rollout.
+    kube.objects[("InferenceService", NS, "chat")]["status"]["tuning"] = {"maxNumSeqs": 100}
+    rec.reconcile_by_name(NS, "chat")
+    dep = kube.objects[("Deployment", NS, "chat")]
+    assert dep["metadata"]["generation"] == gen
+    assert kube.objects[("ConfigMap", NS, "chat-engine")]["data"] == {"max_num_seqs": "100"}
+    assert r.read_engine_settings(dep)["maxNumSeqs"] == 100
     assert kube.status("chat")["engine"]["maxNumSeqs"] == 100
+    # An fp8 KV cache rolls the pods.
+    kube.objects[("InferenceService", NS, "chat")]["status"]["tuning"]["kvCacheDtype"] = "fp8"
+    rec.reconcile_by_name(NS, "chat")
+    assert kube.objects[("Deployment", NS, "chat")]["metadata"]["generation"] == gen + 1
+    assert kube.status("chat")["engine"]["kvCacheDtype"] == "fp8"
+
+
+def test_hpa_mode_emits_an_hpa_and_spec_replicas_rule(kube, rec):
+    autoscaling = {"enabled": True, "mode": "hpa", "minReplicas": 2, "maxReplicas": 6}
+    body = kube.add_isvc("chat", {"autoscaling": autoscaling, "replicas": 3})
+    body["status"] = {"autoscaling": {"desiredReplicas": 5}}  # ignored: the HPA decides
+    rec.reconcile(body)
+    applies = [c[1] for c in kube.calls if c[0] == "apply" and not c[3]]
+    assert applies[-2:] == ["Deployment", "HorizontalPodAutoscaler"]
+    assert kube.objects[("Deployment", NS, "chat")]["spec"]["replicas"] == 3
+    hpa = kube.objects[("HorizontalPodAutoscaler", NS, "chat")]
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "InferenceService"
+    # Back to the built-in autoscaler: the HPA goes, the loop's decision rules.
+    isvc = kube.objects[("InferenceService", NS, "chat")]
+    isvc["spec"] = {"autoscaling": {**autoscaling, "mode": "builtin"}, "replicas": 3}
+    rec.reconcile_by_name(NS, "chat")
+    assert ("HorizontalPodAutoscaler", NS, "chat") not in kube.objects
+    assert kube.objects[("Deployment", NS, "chat")]["spec"]["replicas"] == 5
+
+
+def test_keda_mode_needs_keda(kube, rec):
+    keda = {"enabled": True, "mode": "keda", "keda": {"serverAddress": "http://prom:9090"}}
+    rec.reconcile(kube.add_isvc("chat", {"autoscaling": keda}))
+    assert kube.children() == []
+    st = kube.status("chat")
+    assert conds(st)["Degraded"] == ("True", "AutoscalerNotServed")
+    assert "ScaledObject (keda.sh/v1alpha1)" in st["conditions"][2]["message"]
+    kube.unserved.clear()  # KEDA installed: the next round builds everything
+    rec.reconcile_by_name(NS, "chat")
+    assert ("ScaledObject", "chat") in kube.children()
+    assert conds(kube.status("chat"))["Degraded"] == ("False", "AsExpected")
 
 
 def test_fields_added_by_others_are_dropped(kube, rec):
@@ -306,3 +366,70 @@ def test_deleted_objects_are_forgotten(kube, rec):
     rec.on_child_event("DELETED", svc)  # the garbage collector's deletions arrive
     assert all(k[2] != "chat" and k[2] != "chat-admin-token" for k in rec._desired)
     assert list(rec._applied_generation) == [(NS, "other")]
+
+
+# --------------------------------------------------------------------------- the loop timer
+
+
+def metrics_text(waiting: int, running: int, max_num_seqs: int) -> str:
+    """A batchpilot server's /metrics, reduced to what the loop reads."""
+    lines = []
+    for name, value in (
+        ("vllm:num_requests_waiting", waiting),
+        ("vllm:num_requests_running", running),
+        ("vllm:num_requests_swapped", 0),
+        ("vllm:kv_cache_usage_perc", 0.2),
+        ("batchpilot:max_num_seqs", max_num_seqs),
+    ):
+        lines += [f"# TYPE {name} gauge", f'{name}{{model_name="m"}} {value}']
+    return "\n".join(lines) + "\n"
+
+
+class QueuedSource:
+    """Two replicas with a long queue: what a real overloaded service reports."""
+
+    async def scrape(self, namespace, name):
+        from batchpilot.operator.observe import Scrape
+
+        text = metrics_text(waiting=20, running=8, max_num_seqs=8)
+        return [Scrape(f"http://10.0.0.{i}:8000", text=text) for i in (1, 2)]
+
+
+def test_loop_timer_scales_through_status_and_the_reconcile(kube, rec):
+    import asyncio
+
+    from batchpilot.operator.admin_client import AdminClient
+    from batchpilot.operator.loop import ClosedLoop
+    from batchpilot.operator.loop_timer import LoopTimer
+
+    autoscaling = {"enabled": True, "minReplicas": 2, "maxReplicas": 8, "targetQueueLength": 2,
+                   "scaleUpStabilizationSeconds": 0}  # fmt: skip
+    rec.reconcile(kube.add_isvc("chat", {"autoscaling": autoscaling}))
+    assert kube.objects[("Deployment", NS, "chat")]["spec"]["replicas"] == 2
+    now = [1_000_000.0]
+    timer = LoopTimer(rec.config, rec, ClosedLoop(QueuedSource(), AdminClient(), lambda: now[0]))
+    for _ in range(10):  # rounds, 15 s apart, until the scale-up reaches the Deployment
+        asyncio.run(timer.tick(kube.read_isvc(NS, "chat")))
+        now[0] += 15
+        if kube.objects[("Deployment", NS, "chat")]["spec"]["replicas"] > 2:
+            break
+    st = kube.status("chat")
+    replicas = kube.objects[("Deployment", NS, "chat")]["spec"]["replicas"]
+    assert replicas > 2 and st["autoscaling"]["desiredReplicas"] == replicas, st
+    assert st["metrics"] and st["replicas"] == 0  # the fake API runs no pods
+
+
+def test_loop_timer_leaves_replicas_to_an_hpa(kube, rec):
+    import asyncio
+
+    from batchpilot.operator.admin_client import AdminClient
+    from batchpilot.operator.loop import ClosedLoop
+    from batchpilot.operator.loop_timer import LoopTimer
+
+    autoscaling = {"enabled": True, "mode": "hpa", "scaleUpStabilizationSeconds": 0}
+    rec.reconcile(kube.add_isvc("chat", {"autoscaling": autoscaling, "replicas": 2}))
+    timer = LoopTimer(rec.config, rec, ClosedLoop(QueuedSource(), AdminClient()))
+    for _ in range(3):
+        asyncio.run(timer.tick(kube.read_isvc(NS, "chat")))
+    assert "autoscaling" not in kube.status("chat")
+    assert kube.objects[("Deployment", NS, "chat")]["spec"]["replicas"] == 2

@@ -7,6 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
+import jsonschema_rs
 import pytest
 import yaml
 from hypothesis import given, settings
@@ -255,6 +256,17 @@ _valid = st.fixed_dictionaries(
                 "preemptionMode": st.sampled_from(names.PREEMPTION_MODES),
             },
         ),
+        "autoscaling": st.fixed_dictionaries(
+            {
+                "enabled": st.booleans(),
+                "mode": st.sampled_from(["builtin", "hpa", "keda"]),
+                "targetQueueLength": st.sampled_from([0.5, 4, 2000]),
+                "keda": st.just({"serverAddress": "http://prometheus.monitoring:9090"}),
+            }
+        ),
+        "tuning": st.fixed_dictionaries(
+            {"enabled": st.booleans(), "maxNumSeqs": st.just({"min": 1, "max": 4096})}
+        ),
         "server": st.fixed_dictionaries(
             {},
             optional={
@@ -318,16 +330,15 @@ _valid = st.fixed_dictionaries(
 def test_properties_of_every_valid_spec(raw):
     spec = parse_spec(raw)
     out = r.build_children(OWNER, spec, image=IMAGE, admin_token=TOKEN)
-    assert [c["kind"] for c in out] == ["Secret", "Service", "PodDisruptionBudget", "Deployment"]
+    kinds = ["Secret", "ConfigMap", "Service", "PodDisruptionBudget", "Deployment"]
+    autoscaler = r.autoscaler_kind(spec)
+    assert [c["kind"] for c in out] == kinds + ([autoscaler[1]] if autoscaler else [])
     # Deterministic: a re-apply never rolls the Deployment.
     assert out == r.build_children(OWNER, spec, image=IMAGE, admin_token=TOKEN)
     selector = r.selector_labels("chat")
     for child in out:
         meta = child["metadata"]
-        assert (meta["name"] if child["kind"] != "Secret" else "chat", meta["namespace"]) == (
-            "chat",
-            "team-a",
-        )
+        assert meta["name"].startswith("chat") and meta["namespace"] == "team-a"
         assert meta["ownerReferences"] == [
             {
                 "apiVersion": "batchpilot.dev/v1alpha1",
@@ -342,7 +353,7 @@ def test_properties_of_every_valid_spec(raw):
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "batchpilot-operator"
         assert {"app.kubernetes.io/name", "app.kubernetes.io/instance"} <= set(meta["labels"])
 
-    dep = out[-1]
+    (dep,) = [c for c in out if c["kind"] == "Deployment"]
     ds = dep["spec"]
     assert ds["selector"] == {"matchLabels": selector}
     tmpl = ds["template"]
@@ -354,7 +365,8 @@ def test_properties_of_every_valid_spec(raw):
         "type": "RollingUpdate",
         "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
     }
-    assert ds["replicas"] == spec.replicas
+    if not spec.autoscaling.builtin:
+        assert ds["replicas"] == spec.replicas
 
     pod = tmpl["spec"]
     c = container(dep)
@@ -398,7 +410,21 @@ def test_properties_of_every_valid_spec(raw):
     assert engine["maxNumSeqs"] == spec.engine.max_num_seqs
     assert engine["kvCacheDtype"] == spec.engine.kv_cache_dtype
     assert engine.get("maxModelLen") == spec.engine.max_model_len
-    flags = set(c["args"])
+    flags = {a.split("=", 1)[0] for a in c["args"]}
+    # max_num_seqs: a literal flag, or (tuning on) the ConfigMap's value through the env.
+    (config_map,) = [x for x in out if x["kind"] == "ConfigMap"]
+    assert config_map["data"] == {"max_num_seqs": str(spec.engine.max_num_seqs)}
+    live = f"--max-num-seqs=$({r.MAX_NUM_SEQS_ENV})"
+    assert (live in c["args"]) == spec.tuning.enabled
+    assert any(e["name"] == r.MAX_NUM_SEQS_ENV for e in c["env"]) == spec.tuning.enabled
+    for autoscaler in out[5:]:
+        if autoscaler["kind"] == "ScaledObject":
+            jsonschema_rs.validate(SCALED_OBJECT_SCHEMA, autoscaler)
+        assert autoscaler["spec"]["scaleTargetRef"] == {
+            "apiVersion": "batchpilot.dev/v1alpha1",
+            "kind": "InferenceService",
+            "name": "chat",
+        }
     for knob in r.ENGINE_KNOBS:
         assert (
             knob.flag in flags
@@ -406,7 +432,7 @@ def test_properties_of_every_valid_spec(raw):
             or (getattr(spec.engine, knob.name, None) is None)
         ), knob
 
-    svc, pdb = out[1], out[2]
+    svc, pdb = out[2], out[3]
     assert svc["spec"]["selector"] == selector
     assert svc["spec"]["ports"][0]["port"] == 8000
     assert pdb["spec"]["selector"] == {"matchLabels": selector}
@@ -462,3 +488,190 @@ def test_foreign_managers_and_restored():
         "metadata": secret["metadata"],
     }
     assert drift.restored(live_secret, secret)["data"] == secret["data"]
+
+
+# --------------------------------------------------------------------------- the loop's children
+
+# The parts of KEDA's ScaledObject CRD (keda.sh/v1alpha1, config/crd/bases in kedacore/keda)
+# that the operator emits, strict about unknown fields so a misspelt one fails here: KEDA's
+# CRD is not installed in the test cluster.
+_INT32 = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+_RULES = {
+    "type": "object",
+    "properties": {"stabilizationWindowSeconds": {**_INT32, "maximum": 3600}},
+    "additionalProperties": False,
+}
+SCALED_OBJECT_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "keda.sh/v1alpha1"},
+        "kind": {"const": "ScaledObject"},
+        "metadata": {"type": "object", "required": ["name", "namespace"]},
+        "spec": {
+            "type": "object",
+            "required": ["scaleTargetRef", "triggers"],
+            "additionalProperties": False,
+            "properties": {
+                "scaleTargetRef": {
+                    "type": "object",
+                    "required": ["name"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "name": {"type": "string"},
+                    },
+                },
+                "minReplicaCount": _INT32,
+                "maxReplicaCount": _INT32,
+                "advanced": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "horizontalPodAutoscalerConfig": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "properties": {
+                                "behavior": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "properties": {"scaleUp": _RULES, "scaleDown": _RULES},
+                                }
+                            },
+                        }
+                    },
+                },
+                "triggers": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "metadata"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "type": {"const": "prometheus"},
+                            # KEDA's trigger metadata is a map of strings.
+                            "metadata": {
+                                "type": "object",
+                                "required": ["serverAddress", "query", "threshold"],
+                                "additionalProperties": {"type": "string"},
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+AUTOSCALING = {
+    "enabled": True,
+    "minReplicas": 2,
+    "maxReplicas": 7,
+    "targetQueueLength": 2.5,
+    "scaleUpStabilizationSeconds": 15,
+    "scaleDownStabilizationSeconds": 600,
+}
+
+
+def test_hpa_on_the_waiting_queue_of_the_service():
+    (hpa,) = children({"autoscaling": {**AUTOSCALING, "mode": "hpa"}})[5:]
+    assert hpa["apiVersion"] == "autoscaling/v2" and hpa["metadata"]["name"] == "chat"
+    spec = hpa["spec"]
+    assert spec["scaleTargetRef"]["kind"] == "InferenceService"
+    assert (spec["minReplicas"], spec["maxReplicas"]) == (2, 7)
+    assert spec["metrics"] == [
+        {
+            "type": "External",
+            "external": {
+                "metric": {
+                    "name": "vllm:num_requests_waiting",
+                    "selector": {"matchLabels": {"namespace": "team-a", "service": "chat"}},
+                },
+                "target": {"type": "AverageValue", "averageValue": "2500m"},
+            },
+        }
+    ]
+    assert spec["behavior"] == {
+        "scaleUp": {"stabilizationWindowSeconds": 15},
+        "scaleDown": {"stabilizationWindowSeconds": 600},
+    }
+
+
+def test_keda_scaled_object_validates_against_the_schema():
+    keda = {"serverAddress": "http://prometheus.monitoring:9090"}
+    (so,) = children({"autoscaling": {**AUTOSCALING, "mode": "keda", "keda": keda}})[5:]
+    jsonschema_rs.validate(SCALED_OBJECT_SCHEMA, so)
+    trigger = so["spec"]["triggers"][0]["metadata"]
+    assert trigger == {
+        "serverAddress": "http://prometheus.monitoring:9090",
+        "query": 'sum(vllm:num_requests_waiting{namespace="team-a",service="chat"})',
+        "threshold": "2.5",
+    }
+    custom = {**keda, "query": "sum(rate(x[1m]))"}
+    (so,) = children({"autoscaling": {**AUTOSCALING, "mode": "keda", "keda": custom}})[5:]
+    assert so["spec"]["triggers"][0]["metadata"]["query"] == "sum(rate(x[1m]))"
+    with pytest.raises(ValueError):  # the schema catches what KEDA would refuse
+        jsonschema_rs.validate(SCALED_OBJECT_SCHEMA, {**so, "spec": {**so["spec"], "x": 1}})
+
+
+def test_no_autoscaler_child_unless_asked():
+    for autoscaling in ({**AUTOSCALING, "mode": "builtin"}, {"mode": "hpa"}):
+        spec = parse_spec({"autoscaling": autoscaling})
+        assert len(children({"autoscaling": autoscaling})) == 5
+        assert r.stale_kinds(spec) == [r.HPA_KIND, r.SCALED_OBJECT_KIND]
+    spec = parse_spec({"autoscaling": {**AUTOSCALING, "mode": "hpa"}})
+    assert r.stale_kinds(spec) == [r.SCALED_OBJECT_KIND]
+
+
+@pytest.mark.parametrize(
+    "value, text",
+    [
+        (4, "4"),
+        (4.0, "4"),
+        (0.5, "500m"),
+        (2.5, "2500m"),
+        (2000, "2k"),
+        (1e-6, "1m"),
+        (1500, "1500"),
+    ],
+)
+def test_quantity_is_canonical(value, text):
+    assert r.quantity(value) == text
+
+
+def test_tuned_max_num_seqs_changes_the_config_map_not_the_pod_template():
+    spec = {"tuning": {"enabled": True, "maxNumSeqs": {"min": 8, "max": 128}}}
+    a = children(spec, loops=LoopState(max_num_seqs=16))
+    b = children(spec, loops=LoopState(max_num_seqs=96))
+    assert a[1]["data"] == {"max_num_seqs": "16"} and b[1]["data"] == {"max_num_seqs": "96"}
+    assert a[4]["spec"] == b[4]["spec"]  # the same pod template: nothing rolls
+    assert r.read_engine_settings(b[4])["maxNumSeqs"] == 96
+    env = {e["name"]: e for e in container(a[4])["env"]}
+    assert env[r.MAX_NUM_SEQS_ENV]["valueFrom"] == {
+        "configMapKeyRef": {"name": "chat-engine", "key": "max_num_seqs"}
+    }
+    # An fp8 switch does change the pod template: the Deployment rolls.
+    spec["tuning"]["allowFP8KVCache"] = True
+    c = children(spec, loops=LoopState(max_num_seqs=96, kv_cache_dtype="fp8"))
+    assert c[4]["spec"]["template"] != b[4]["spec"]["template"]
+
+
+def test_live_max_num_seqs_arg_parses_with_the_servers_own_cli_once_expanded():
+    """Kubernetes expands $(VAR) in args from the container's env; the expanded args are
+    ones `batchpilot serve` accepts, with the ConfigMap's value."""
+    from batchpilot.server.api.cli import add_arguments
+    from batchpilot.server.config import config_from_args
+
+    out = children({"tuning": {"enabled": True}, "engine": {"maxNumSeqs": 24}})
+    value = out[1]["data"]["max_num_seqs"]
+    args = [a.replace(f"$({r.MAX_NUM_SEQS_ENV})", value) for a in container(out[4])["args"]]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args(args)).max_num_seqs == 24
+
+
+def test_reserved_env_is_refused():
+    spec = parse_spec({"pod": {"env": [{"name": r.MAX_NUM_SEQS_ENV, "value": "4"}]}})
+    assert r.spec_problems(spec) == [f"spec.pod.env: {r.MAX_NUM_SEQS_ENV} is set by the operator"]

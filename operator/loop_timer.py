@@ -1,0 +1,130 @@
+"""The kopf timer's side of the closed loop (loop.py has the laws' side).
+
+Each round, for one InferenceService with autoscaling or tuning enabled: read what is in
+force from the Deployment, run ``ClosedLoop.run_once`` (scrape, decide, apply
+max_num_seqs live), merge its decisions into the status, post its Events, count them in
+the operator's metrics, and hand over to the ordinary reconcile. That reconcile puts the
+decisions into the children: replicas into the Deployment, max_num_seqs into the
+ConfigMap new pods read (no rollout), an fp8 KV cache into the pod template (a rollout
+with maxUnavailable 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from kubernetes import client
+
+from batchpilot import names
+from batchpilot.operator import probes, resources
+from batchpilot.operator.admin_client import AdminClient
+from batchpilot.operator.config import OperatorConfig
+from batchpilot.operator.crd import InferenceServiceSpec, SpecError, parse_spec
+from batchpilot.operator.kube import post_event
+from batchpilot.operator.loop import ClosedLoop, LoopOutcome
+from batchpilot.operator.observe import MetricsSource, PodMetricsSource, UrlMetricsSource
+from batchpilot.operator.resources import LoopState, Owner
+from batchpilot.operator.tune import EngineSettings
+
+if TYPE_CHECKING:
+    from batchpilot.operator.handlers import Reconciler
+
+log = logging.getLogger("batchpilot.operator.loop")
+
+
+def loop_wanted(spec: dict) -> bool:
+    """Does this spec (as stored) ask for a closed loop at all?"""
+    return bool(
+        (spec.get("autoscaling") or {}).get("enabled") or (spec.get("tuning") or {}).get("enabled")
+    )
+
+
+def loop_spec(spec: InferenceServiceSpec) -> InferenceServiceSpec:
+    """The spec as the loop sees it: autoscaling is the loop's only in builtin mode (an HPA
+    or KEDA owns the replica count otherwise)."""
+    if spec.autoscaling.enabled and not spec.autoscaling.builtin:
+        off = spec.autoscaling.model_copy(update={"enabled": False})
+        return spec.model_copy(update={"autoscaling": off})
+    return spec
+
+
+def settings_in_force(deployment: dict, spec: InferenceServiceSpec, status: dict) -> EngineSettings:
+    """What the Deployment records; what the reconcile will apply where it records none."""
+    recorded = resources.read_engine_settings(deployment)
+    planned = resources.effective_engine(spec, LoopState.from_status(status))
+    return EngineSettings(
+        max_num_seqs=recorded.get(names.MAX_NUM_SEQS.crd_field, planned.max_num_seqs),
+        kv_cache_dtype=recorded.get(names.KV_CACHE_DTYPE.crd_field, planned.kv_cache_dtype),
+    )
+
+
+def count(namespace: str, name: str, outcome: LoopOutcome, replicas: int) -> None:
+    probes.LOOP_ROUNDS.labels(namespace, name).inc()
+    if outcome.scrape_failures:
+        probes.SCRAPE_FAILURES.labels(namespace, name).inc(len(outcome.scrape_failures))
+    if outcome.tuning is not None:
+        probes.DECISIONS.labels(outcome.tuning.kind).inc()
+    if outcome.desired_replicas is not None:
+        probes.DESIRED_REPLICAS.labels(namespace, name).set(outcome.desired_replicas)
+        if outcome.desired_replicas != replicas:
+            kind = "scale_up" if outcome.desired_replicas > replicas else "scale_down"
+            probes.DECISIONS.labels(kind).inc()
+
+
+class LoopTimer:
+    """One ClosedLoop for all InferenceServices (it keeps their windows apart by name)."""
+
+    def __init__(
+        self, config: OperatorConfig, reconciler: Reconciler, loop: ClosedLoop | None = None
+    ):
+        self.config = config
+        self.rec = reconciler
+        self._loop = loop
+
+    @property
+    def loop(self) -> ClosedLoop:
+        if self._loop is None:
+            self._loop = ClosedLoop(self._source(), AdminClient())
+        return self._loop
+
+    def _source(self) -> MetricsSource:
+        if self.config.metrics_urls:
+            return UrlMetricsSource(self.config.metrics_urls)
+        return PodMetricsSource(client.CoreV1Api(self.rec.kube.dynamic.client))
+
+    async def tick(self, body: dict, logger: logging.Logger | logging.LoggerAdapter = log) -> None:
+        meta = body["metadata"]
+        ns, name = meta["namespace"], meta["name"]
+        try:
+            spec = parse_spec(body.get("spec"))
+        except SpecError:
+            return  # the reconcile reports it as Degraded
+        kube = self.rec.kube
+        deployment = await asyncio.to_thread(kube.read, "apps/v1", "Deployment", ns, name)
+        token = await asyncio.to_thread(self.rec.read_admin_token, Owner.from_body(body))
+        if deployment is None or token is None:
+            return  # nothing serves yet: the reconcile builds it first
+        status = body.get("status") or {}
+        replicas = (deployment.get("spec") or {}).get("replicas", 0)
+        outcome = await self.loop.run_once(
+            ns,
+            name,
+            loop_spec(spec),
+            status,
+            replicas,
+            settings_in_force(deployment, spec, status),
+            token,
+        )
+        count(ns, name, outcome, replicas)
+        if outcome.status_patch:
+            await asyncio.to_thread(kube.patch_isvc_status, ns, name, outcome.status_patch)
+        for reason, message in outcome.events:
+            logger.info("%s: %s", reason, message)
+            warning = reason.endswith("Failed")
+            post_event(body, "Warning" if warning else "Normal", reason, message)
+        # The patch replaces whole top-level keys, so this is the status it leaves.
+        after = {**status, **outcome.status_patch}
+        if LoopState.from_status(status) != LoopState.from_status(after):
+            await asyncio.to_thread(self.rec.reconcile_by_name, ns, name, logger)

@@ -1,0 +1,68 @@
+"""The operator's own HTTP endpoint: liveness and its Prometheus metrics on one port.
+
+It replaces kopf's liveness server, which serves one path only. /healthz answers 200 while
+the operator's event loop runs; /metrics exposes what the closed loop decides.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+
+# A registry of its own: the operator's metrics only, even when a test runs a server's
+# metrics in the same process.
+REGISTRY = CollectorRegistry()
+DECISIONS = Counter(
+    "batchpilot_operator_decisions",
+    "Closed-loop decisions: tuning kinds (raise, lower, fp8, hold) and scale_up/scale_down",
+    ["kind"],
+    registry=REGISTRY,
+)
+SCRAPE_FAILURES = Counter(
+    "batchpilot_operator_scrape_failures",
+    "Replica /metrics scrapes that got no answer or a non-200 one",
+    ["namespace", "name"],
+    registry=REGISTRY,
+)
+DESIRED_REPLICAS = Gauge(
+    "batchpilot_operator_desired_replicas",
+    "Replicas the built-in autoscaler wants, per InferenceService",
+    ["namespace", "name"],
+    registry=REGISTRY,
+)
+LOOP_ROUNDS = Counter(
+    "batchpilot_operator_loop_rounds",
+    "Closed-loop rounds run, per InferenceService",
+    ["namespace", "name"],
+    registry=REGISTRY,
+)
+
+
+async def _health(_: web.Request) -> web.Response:
+    return web.json_response({})
+
+
+async def _metrics(_: web.Request) -> web.Response:
+    body = generate_latest(REGISTRY)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def serve(endpoint: str) -> web.AppRunner:
+    """Serve the liveness path of ``endpoint`` (http://host:port/path) and /metrics."""
+    parts = urllib.parse.urlsplit(endpoint)
+    if parts.scheme != "http":
+        raise ValueError(f"liveness endpoint must be http://host:port/path, not {endpoint!r}")
+    app = web.Application()
+    app.add_routes([web.get(parts.path or "/healthz", _health), web.get("/metrics", _metrics)])
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.TCPSite(runner, parts.hostname or "localhost", parts.port or 80).start()
+    return runner
