@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 export BATCHPILOT_CACHE ?= $(HOME)/.cache/batchpilot
 PYTEST_ARGS ?=
 
-.PHONY: run test venv lint format unit slow cluster k8s-bins crds bench clean image-server image-operator
+.PHONY: run test venv lint format unit slow cluster k8s-bins crds bench clean image-server image-operator \
+	chart kind-toolchain kind-images kind-cluster kind-delete kind
 
 # .venv is rebuilt only when pyproject.toml changes; pip's own cache makes a rebuild cheap.
 $(STAMP): pyproject.toml
@@ -49,6 +50,12 @@ k8s-bins:
 crds: venv
 	$(BIN)/batchpilot operator crds --output crds/
 
+# The Helm chart's generated parts: its crds/ (a copy of crds/) and its RBAC rules
+# (files/rbac-rules.yaml, from operator/rbac.py). tests/integration/test_chart.py checks both.
+chart: venv
+	cp crds/*.yaml charts/batchpilot/crds/
+	$(BIN)/python charts/gen_rbac.py
+
 bench: venv
 	$(BIN)/batchpilot bench offline
 
@@ -63,3 +70,23 @@ image-server:
 
 image-operator:
 	docker build -f operator/Dockerfile $(DOCKER_BUILD_ARGS) -t $(or $(OPERATOR_IMAGE),ghcr.io/batchpilot/batchpilot-operator:$(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' batchpilot/__init__.py)) .
+
+# The kind tier (kind-tests/README.md). Nothing is pulled from a registry: kind, the node
+# image and every image in it are built locally and cached under $(BATCHPILOT_CACHE)/kind.
+# kind-toolchain: kind + node image (cold: ~20 min after k8s-bins; warm: a `docker load`).
+kind-toolchain: k8s-bins
+	bash kind-tests/toolchain/build.sh node
+
+# The server and operator images, from a local Debian base and a wheelhouse (--network none).
+kind-images:
+	bash kind-tests/images.sh
+
+kind-cluster: kind-toolchain
+	bash kind-tests/cluster.sh create
+
+kind-delete:
+	bash kind-tests/cluster.sh delete
+
+# Just the e2e (make test runs it too, when Docker and the toolchain are there).
+kind: venv
+	$(BIN)/pytest kind-tests -m kind $(PYTEST_ARGS)

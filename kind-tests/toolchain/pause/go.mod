@@ -1,0 +1,3 @@
+module batchpilot.local/pause
+
+go 1.25.0

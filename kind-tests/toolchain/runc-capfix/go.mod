@@ -1,0 +1,3 @@
+module batchpilot.local/runc-capfix
+
+go 1.25.0

@@ -1,0 +1,338 @@
+"""The Helm chart (charts/batchpilot): its sources stay in step with the package, it lints,
+every values file renders to manifests the API server accepts, and an install on the loopback
+control plane (kwok node) runs the operator with exactly operator/rbac.py's permissions.
+
+Static checks (version, CRDs, generated RBAC file) need nothing; the rest uses the `k8s`
+fixture (tier `cluster`) for its helm and kubectl binaries and API server.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import importlib.util
+import json
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+import batchpilot
+from batchpilot.operator import rbac
+from batchpilot.operator.crd import GROUP, PLURAL, VERSION
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "batchpilot"
+VALUES_FILES = sorted((CHART / "ci").glob("*-values.yaml"))
+OPERATOR_SA_GROUPS = ["system:serviceaccounts", "system:authenticated"]
+
+
+def _gen_rbac():
+    spec = importlib.util.spec_from_file_location("gen_rbac", REPO / "charts" / "gen_rbac.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def expand(rules: list[dict]) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) triples: rule sets compare equal however they are split."""
+    return {
+        (g, r, v)
+        for rule in rules
+        for g in rule.get("apiGroups", [])
+        for r in rule.get("resources", [])
+        for v in rule.get("verbs", [])
+    }
+
+
+# --- static: no cluster needed
+
+
+def test_chart_versions_follow_the_package():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == batchpilot.__version__
+    assert chart["version"] == batchpilot.__version__
+
+
+def test_chart_crds_are_the_generated_crds():
+    root = REPO / "crds"
+    names = sorted(p.name for p in root.glob("*.yaml"))
+    assert names == sorted(p.name for p in (CHART / "crds").glob("*.yaml")), (
+        "charts/batchpilot/crds/ must hold exactly the files of crds/ (cp crds/*.yaml charts/batchpilot/crds/)"
+    )
+    _, mismatch, errors = filecmp.cmpfiles(root, CHART / "crds", names, shallow=False)
+    assert not mismatch and not errors, f"differ from crds/: {mismatch + errors} (make chart)"
+
+
+def test_chart_rbac_file_is_generated_from_operator_rbac():
+    gen = _gen_rbac()
+    assert gen.OUT.read_text() == gen.render(), "stale files/rbac-rules.yaml: run `make chart`"
+    doc = gen.document()
+    assert expand(doc["rules"]["cluster"] + doc["rules"]["namespaced"]) == expand(rbac.RULES)
+
+
+def test_values_schema_is_valid_json_with_every_top_level_value():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(values) <= set(schema["properties"]), set(values) - set(schema["properties"])
+
+
+# --- with helm and the loopback API server
+
+
+def helm(k8s, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return k8s.run_helm(*args, check=check)
+
+
+def render(k8s, *args: str) -> list[dict]:
+    out = helm(k8s, "template", "bp", str(CHART), "--namespace", "batchpilot-system", *args)
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_helm_lint_strict(k8s):
+    for values in VALUES_FILES:
+        out = helm(k8s, "lint", "--strict", str(CHART), "-f", str(values), check=False)
+        assert out.returncode == 0, f"{values.name}:\n{out.stdout}\n{out.stderr}"
+
+
+@pytest.mark.parametrize("values", VALUES_FILES, ids=lambda p: p.stem)
+def test_rendered_manifests_pass_server_side_validation(k8s, values):
+    """Each manifest goes through the API server's own schema check (dry-run, strict field
+    validation). Namespaces the values name are created first; the ServiceMonitor (a
+    prometheus-operator CRD this cluster does not serve) is checked structurally instead."""
+    docs = render(k8s, "-f", str(values))
+    namespaces = {d["metadata"].get("namespace") for d in docs} - {None}
+    for ns in sorted(namespaces):
+        k8s.run_kubectl("create", "namespace", ns, check=False)
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "ClusterRole", "ClusterRoleBinding"} <= kinds, kinds
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+            assert doc["spec"]["endpoints"][0]["port"] == "http"
+            continue
+        out = k8s.run_kubectl(
+            "apply",
+            "--dry-run=server",
+            "--validate=strict",
+            "-f",
+            "-",
+            input=yaml.safe_dump(doc),
+            check=False,
+        )
+        assert out.returncode == 0, f"{values.name}: {doc['kind']}: {out.stderr}"
+
+
+def test_deployment_hardening_and_args(k8s):
+    docs = render(k8s)
+    (dep,) = by_kind(docs, "Deployment")
+    spec = dep["spec"]
+    assert spec["strategy"]["type"] == "Recreate"
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (c,) = pod["containers"]
+    assert c["image"] == f"ghcr.io/batchpilot/batchpilot-operator:{batchpilot.__version__}"
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    assert "--all-namespaces" in c["args"] and "--standalone" in c["args"]
+    docs = render(k8s, "--set", "watchNamespaces={a,b}", "--set", "serverImage.repository=s")
+    (c,) = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"]
+    assert "--namespace=a" in c["args"] and "--namespace=b" in c["args"]
+    assert f"--server-image=s:{batchpilot.__version__}" in c["args"]
+    assert "--all-namespaces" not in c["args"]
+
+
+def test_rendered_rbac_is_exactly_operator_rbac(k8s):
+    gen = _gen_rbac()
+    # Every namespace: one ClusterRole with all the rules, no Roles.
+    docs = render(k8s)
+    (cr,) = by_kind(docs, "ClusterRole")
+    assert expand(cr["rules"]) == expand(rbac.RULES)
+    assert not by_kind(docs, "Role")
+    # Namespaced mode: cluster-scoped rules cluster-wide, the rest in each watched namespace.
+    docs = render(k8s, "--set", "watchNamespaces={team-a,team-b}")
+    (cr,) = by_kind(docs, "ClusterRole")
+    roles = by_kind(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    cluster_only = expand(gen.document()["rules"]["cluster"])
+    assert expand(cr["rules"]) == cluster_only
+    for role in roles:
+        assert expand(role["rules"]) | cluster_only == expand(rbac.RULES)
+        assert not expand(role["rules"]) & cluster_only
+    bindings = by_kind(docs, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    # Optional rule sets only when their feature is on.
+    optional = gen.document()["optional"]
+    everything = render(
+        k8s, "--set", "autoscaling.hpa.enabled=true", "--set", "autoscaling.keda.enabled=true"
+    )
+    extra = set()
+    for sets in optional.values():
+        extra |= expand(sets["cluster"] + sets["namespaced"])
+    assert expand(by_kind(everything, "ClusterRole")[0]["rules"]) == expand(rbac.RULES) | extra
+    # RBAC apiGroups carry no version.
+    for rule in cr["rules"] + roles[0]["rules"]:
+        assert all("/" not in g for g in rule["apiGroups"]), rule
+
+
+@pytest.mark.parametrize(
+    ("flag", "needle"),
+    [
+        ("image.pullPolicy=Sometimes", "pullPolicy"),
+        ("image.tag=latest", "tag"),
+        ("watchNamespaces={Not_A_Namespace}", "watchNamespaces"),
+        ("operator.logFormat=xml", "logFormat"),
+        ("unknownValue=1", "unknownValue"),
+    ],
+)
+def test_bad_values_fail_with_a_clear_message(k8s, flag, needle):
+    out = helm(k8s, "template", "bp", str(CHART), "--set", flag, check=False)
+    assert out.returncode != 0
+    assert "values don't meet the specifications of the schema" in out.stderr, out.stderr
+    assert needle in out.stderr, out.stderr
+
+
+def sar(
+    k8s,
+    user: str,
+    verb: str,
+    resource: str,
+    group: str = "",
+    namespace: str = "",
+    name: str = "",
+    sub: str = "",
+) -> bool:
+    review = {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SubjectAccessReview",
+        "spec": {
+            "user": user,
+            "groups": [*OPERATOR_SA_GROUPS, f"system:serviceaccounts:{user.split(':')[2]}"],
+            "resourceAttributes": {
+                "verb": verb,
+                "group": group,
+                "resource": resource,
+                "subresource": sub,
+                "namespace": namespace,
+                "name": name,
+            },
+        },
+    }
+    status, body = k8s.request("/apis/authorization.k8s.io/v1/subjectaccessreviews", "POST", review)
+    assert status == 201, body
+    return bool(body["status"].get("allowed"))
+
+
+def wait_for(what: str, predicate, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.5)
+
+
+def leftovers(k8s, release: str, namespaces: list[str]) -> list[str]:
+    selector = f"app.kubernetes.io/instance={release}"
+    found = []
+    out = k8s.run_kubectl(
+        "get", "clusterroles,clusterrolebindings", "-l", selector, "-o", "name"
+    ).stdout.split()
+    found += out
+    for ns in namespaces:
+        out = k8s.run_kubectl(
+            "get",
+            "deployments,replicasets,pods,serviceaccounts,configmaps,roles,rolebindings",
+            "-n",
+            ns,
+            "-l",
+            selector,
+            "-o",
+            "name",
+        ).stdout.split()
+        found += [f"{ns}/{o}" for o in out]
+    return found
+
+
+def test_install_rbac_and_uninstall(k8s, namespace):
+    """helm install (namespaced mode, watching one other namespace) on the kwok node: the
+    operator Deployment becomes Available; its ServiceAccount may do exactly what it needs;
+    helm uninstall leaves nothing of the release behind (the CRD stays: Helm keeps crds/)."""
+    watched = f"watched-{uuid.uuid4().hex[:6]}"
+    other = f"other-{uuid.uuid4().hex[:6]}"
+    for ns in (watched, other):
+        k8s.run_kubectl("create", "namespace", ns)
+    release = f"bp-{uuid.uuid4().hex[:6]}"
+    try:
+        out = helm(
+            k8s,
+            "install",
+            release,
+            str(CHART),
+            "--namespace",
+            namespace,
+            "--set",
+            f"watchNamespaces={{{watched}}}",
+            "--set",
+            "image.repository=batchpilot-operator",
+            "--set",
+            "image.tag=cluster-test",
+            "--wait",
+            "--timeout",
+            "180s",
+        )
+        assert "STATUS: deployed" in out.stdout, out.stdout
+        fullname = f"{release}-batchpilot"
+        dep = json.loads(
+            k8s.run_kubectl("get", "deployment", fullname, "-n", namespace, "-o", "json").stdout
+        )
+        conds = {c["type"]: c["status"] for c in dep["status"].get("conditions", [])}
+        assert conds.get("Available") == "True", dep["status"]
+        # The CRD is served (from the chart's crds/ or already present).
+        k8s.run_kubectl("get", "crd", f"{PLURAL}.{GROUP}")
+
+        user = f"system:serviceaccount:{namespace}:{fullname}"
+        for rule in rbac.RULES:
+            for group in rule["apiGroups"]:
+                for res in rule["resources"]:
+                    resource, _, sub = res.partition("/")
+                    for verb in rule["verbs"]:
+                        assert sar(k8s, user, verb, resource, group, watched, sub=sub), (
+                            f"{user} may not {verb} {group}/{res} in {watched}"
+                        )
+        # Denied: anything in a namespace it does not watch, secrets listed, nodes, CRD deletes,
+        # and cluster-wide access to the namespaced resources.
+        assert not sar(k8s, user, "get", "secrets", "", other)
+        assert not sar(k8s, user, "list", "secrets", "", watched)
+        assert not sar(k8s, user, "create", "deployments", "apps", other)
+        assert not sar(k8s, user, "list", PLURAL, GROUP, "")
+        assert not sar(k8s, user, "list", "nodes")
+        assert not sar(k8s, user, "get", "nodes")
+        assert not sar(k8s, user, "delete", "customresourcedefinitions", "apiextensions.k8s.io")
+        assert not sar(k8s, user, "delete", "deployments", "apps", watched)
+        assert not sar(k8s, user, "create", "clusterrolebindings", "rbac.authorization.k8s.io")
+        assert not sar(k8s, user, "escalate", "roles", "rbac.authorization.k8s.io", watched)
+        # An InferenceService in the watched namespace is visible to it.
+        assert sar(k8s, user, "watch", PLURAL, GROUP, watched)
+        assert VERSION
+    finally:
+        helm(k8s, "uninstall", release, "--namespace", namespace, "--wait", check=False)
+    wait_for(
+        "the release's objects to be gone",
+        lambda: not leftovers(k8s, release, [namespace, watched]),
+    )
+    assert helm(k8s, "status", release, "-n", namespace, check=False).returncode != 0
+    for ns in (watched, other):
+        k8s.run_kubectl("delete", "namespace", ns, "--wait=false", check=False)
