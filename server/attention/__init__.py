@@ -1,1 +1,61 @@
-"""Paged attention: a reference implementation in torch for CPU and CUDA."""
+"""Paged attention: a torch reference for CPU and CUDA (paged.py), and Triton kernels for
+GPUs (triton_*.py). The backend is resolved once per engine; each step's metadata is
+built for it, and the metadata's type routes every layer's call, so the model has one
+call site. triton is imported only when its backend is used: CPU installs need none."""
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+from batchpilot.server.attention.metadata import AttentionMetadata, build_metadata
+from batchpilot.server.attention.paged import paged_attention
+from batchpilot.server.attention.triton_metadata import TritonMetadata, build_triton_metadata
+from batchpilot.server.kv.cache import FP8_DTYPES
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_backend(name: str, device: torch.device, kv_cache_dtype: str) -> str:
+    """auto: triton on CUDA GPUs it supports, torch elsewhere. tl.dot on bf16 needs
+    Ampere (sm80); Triton's fp8 e4m3 type needs Ada or Hopper (sm89)."""
+    if name == "torch":
+        return "torch"
+    if name == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend triton needs a CUDA device (or TRITON_INTERPRET=1)")
+        return "triton"
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return "torch"
+    e4m3 = FP8_DTYPES.get(kv_cache_dtype) == torch.float8_e4m3fn
+    needed = (8, 9) if e4m3 else (8, 0)
+    return "triton" if torch.cuda.get_device_capability(device) >= needed else "torch"
+
+
+def build_attention_metadata(backend: str, seqs: list[tuple[list[int], int, int]],
+                             num_decodes: int, block_size: int, dtype: torch.dtype,
+                             num_kv_heads: int, device: torch.device):  # fmt: skip
+    """seqs: (block_table, num_computed_tokens, num_new_tokens), decodes first."""
+    if backend == "triton":
+        return build_triton_metadata(
+            seqs, num_decodes, block_size, num_kv_heads, _num_sms(device), device
+        )
+    return build_metadata(seqs, num_decodes, block_size, dtype, device)
+
+
+def attention(q, k, v, kv, layer: int, meta: AttentionMetadata | TritonMetadata,
+              scale: float) -> torch.Tensor:  # fmt: skip
+    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] -> [tokens, heads * dim]."""
+    if isinstance(meta, TritonMetadata):
+        from batchpilot.server.attention.triton_attention import triton_paged_attention
+
+        return triton_paged_attention(q, k, v, kv, layer, meta, scale)
+    return paged_attention(q, k, v, kv, layer, meta, scale)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: no parallelism to fill
+    return torch.cuda.get_device_properties(device).multi_processor_count
