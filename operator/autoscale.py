@@ -130,15 +130,15 @@ def stabilize(
     now: float,
     spec: AutoscalingSpec,
 ) -> tuple[int, int, tuple[Recommendation, ...]]:
-    """(lowest recommendation over the up-window, highest over the down-window, new history)."""
+    """(lowest recommendation over the up-window, highest over the down-window, new history).
+    A window holds what was recommended after ``now - window`` (HPA's cutoff); the latest
+    recommendation is always in it."""
     keep = max(spec.scale_up_stabilization_seconds, spec.scale_down_stabilization_seconds)
     latest = {r.replicas: r.time for r in history if r.time >= now - keep}
     latest[raw] = now
     new_history = tuple(Recommendation(n, t) for n, t in sorted(latest.items()))
-    up = [r.replicas for r in new_history if r.time >= now - spec.scale_up_stabilization_seconds]
-    down = [
-        r.replicas for r in new_history if r.time >= now - spec.scale_down_stabilization_seconds
-    ]
+    up = [r.replicas for r in new_history if r.time > now - spec.scale_up_stabilization_seconds]
+    down = [r.replicas for r in new_history if r.time > now - spec.scale_down_stabilization_seconds]
     return min(up), max(down), new_history
 
 

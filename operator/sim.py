@@ -30,6 +30,7 @@ the way the kopf side does it.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import math
 import random
@@ -154,7 +155,7 @@ class Histogram:
         self.sum = 0.0
 
     def observe(self, value: float, n: int = 1) -> None:
-        i = next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))
+        i = bisect.bisect_left(self.bounds, value)  # the first bound >= value ("le")
         self.counts[i] += n
         self.sum += value * n
 

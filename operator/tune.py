@@ -260,7 +260,8 @@ class _Law:
         ceiling = raise_ceiling(history, self.settings.kv_cache_dtype, now, lim.memory_seconds)
         if ceiling < new:
             new = int(ceiling)
-        if new < mns * (1 + lim.min_raise_fraction):
+        too_small = new < mns * (1 + lim.min_raise_fraction) and new < self.spec.max_num_seqs.max
+        if new <= mns or too_small:
             at = (
                 "its bound"
                 if new >= self.spec.max_num_seqs.max

@@ -1,0 +1,143 @@
+"""The laws in simulation: the real ClosedLoop (observe → decide_replicas / decide_tuning →
+apply) every 15 s against operator/sim.py's replicas, for hours of simulated time."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from batchpilot.operator.crd import parse_spec
+from batchpilot.operator.sim import (
+    ReplicaConfig,
+    ServiceSim,
+    SimResult,
+    bursty,
+    diurnal,
+    steady,
+    step_load,
+)
+
+BLOCK = 368_640  # bytes of one bfloat16 KV block of the bundled model
+HOUR = 3600.0
+
+
+def spec(engine=None, autoscaling=None, tuning=None):
+    return parse_spec(
+        {"engine": engine or {}, "autoscaling": autoscaling or {}, "tuning": tuning or {}}
+    )
+
+
+def tuning_changes(result: SimResult):
+    return [e for e in result.events if e[1].startswith(("MaxNumSeqs", "KVCache"))]
+
+
+def assert_safe(result: SimResult, s) -> None:
+    """Never out of bounds, never two tuning changes within the cooldown."""
+    lo, hi = s.tuning.max_num_seqs.min, s.tuning.max_num_seqs.max
+    for point in result.trace:
+        assert lo <= point.max_num_seqs <= hi, point
+    times = [t for t, _, _ in tuning_changes(result)]
+    for a, b in itertools.pairwise(times):
+        assert b - a >= s.tuning.cooldown_seconds
+
+
+def preemptions_between(result: SimResult, start: float, end: float) -> int:
+    inside = [p for p in result.trace if start <= p.time <= end]
+    return inside[-1].preemptions - inside[0].preemptions
+
+
+# --------------------------------------------------------------------------- autoscaling
+
+
+def test_a_load_step_is_served_by_added_replicas_within_the_up_window():
+    s = spec(
+        engine={"maxNumSeqs": 32},
+        autoscaling={"enabled": True, "maxReplicas": 8, "scaleUpStabilizationSeconds": 30},
+    )
+    sim = ServiceSim(s, ReplicaConfig(), interval=15, startup_seconds=60)
+    result = sim.run(step_load(0.5, 3.0, at=1200), duration=1.0 * HOUR)
+    target = s.autoscaling.target_queue_length
+    over = next(p.time for p in result.trace if p.time > 1200 and p.waiting > target)
+    ups = result.changes("ScaledUp")
+    assert ups, result.events
+    # The first scale-up: the up-window after the queue passed its target, plus the scrape
+    # interval it takes to see it.
+    assert ups[0][0] - over <= 30 + 2 * 15
+    assert len(result.changes("Scaled")) <= 4
+    tail = [p for p in result.trace if p.time > 1200 + 900]
+    assert max(p.waiting for p in tail[-20:]) <= target * tail[-1].ready_replicas
+    assert tail[-1].ready_replicas >= 2
+
+
+def test_steady_load_changes_nothing_for_two_hours_after_convergence():
+    s = spec(
+        engine={"maxNumSeqs": 16},
+        autoscaling={"enabled": True, "maxReplicas": 6},
+        tuning={"enabled": True, "maxNumSeqs": {"min": 4, "max": 64},
+                "targetInterTokenLatencySeconds": 0.5},
+    )  # fmt: skip
+    converged = 1800.0
+    result = ServiceSim(s, ReplicaConfig()).run(steady(2.5), duration=converged + 2 * HOUR)
+    late = [e for e in result.events if e[0] > converged]
+    assert late == [], late
+    assert_safe(result, s)
+
+
+def test_diurnal_and_bursty_loads_never_flap():
+    s = spec(
+        engine={"maxNumSeqs": 16},
+        autoscaling={"enabled": True, "maxReplicas": 6},
+        tuning={"enabled": True, "maxNumSeqs": {"min": 4, "max": 64},
+                "targetInterTokenLatencySeconds": 0.5},
+    )  # fmt: skip
+    for workload in (diurnal(2.0, 1.6, period=2 * HOUR), bursty(1.5, burstiness=0.25)):
+        result = ServiceSim(s, ReplicaConfig()).run(workload, duration=2 * HOUR)
+        scaled = result.changes("Scaled")
+        # A reversal (up then down or down then up) needs the down-window in between.
+        for (t1, r1, _), (t2, r2, _) in itertools.pairwise(scaled):
+            if r1 != r2:
+                assert t2 - t1 >= s.autoscaling.scale_down_stabilization_seconds
+        assert_safe(result, s)
+
+
+# --------------------------------------------------------------------------- tuning
+
+
+def test_from_four_slots_the_tuner_raises_until_the_queue_drains():
+    s = spec(
+        engine={"maxNumSeqs": 4},
+        tuning={"enabled": True, "maxNumSeqs": {"min": 2, "max": 32},
+                "targetInterTokenLatencySeconds": 0.5},
+    )  # fmt: skip
+    # 1.2 requests/s of ~120 output tokens: one replica serves it with 32 slots, not with 4.
+    result = ServiceSim(s, ReplicaConfig()).run(steady(1.2), duration=1.0 * HOUR)
+    changes = tuning_changes(result)
+    assert changes and all(reason == "MaxNumSeqsRaised" for _, reason, _ in changes)
+    assert len(changes) <= 4
+    final = result.trace[-1].max_num_seqs
+    late = [p for p in result.trace if p.time > changes[-1][0] + 600]
+    drained = max(p.waiting for p in late) <= 4
+    assert drained or final == 32
+    assert_safe(result, s)
+
+
+@pytest.mark.parametrize("allow_fp8", [False, True], ids=["lower", "fp8"])
+def test_an_oversized_max_num_seqs_that_thrashes_is_stopped(allow_fp8):
+    s = spec(
+        engine={"maxNumSeqs": 64},
+        tuning={"enabled": True, "allowFP8KVCache": allow_fp8,
+                "maxNumSeqs": {"min": 2, "max": 128}, "targetInterTokenLatencySeconds": 0.5},
+    )  # fmt: skip
+    # 240 blocks: ten sequences at their longest (128 + 256 tokens), not 64.
+    config = ReplicaConfig(kv_cache_bytes=240 * BLOCK)
+    result = ServiceSim(s, config).run(steady(1.0), duration=1.0 * HOUR)
+    changes = tuning_changes(result)
+    assert changes, "no decision against the thrash"
+    first = changes[0]
+    assert first[1] == ("KVCacheFP8" if allow_fp8 else "MaxNumSeqsLowered")
+    assert preemptions_between(result, 0, first[0]) >= 10  # it did thrash
+    settled = changes[-1][0] + 300
+    assert preemptions_between(result, settled, HOUR) <= 3  # and stopped
+    assert result.trace[-1].kv_cache_dtype == ("fp8" if allow_fp8 else "auto")
+    assert_safe(result, s)
