@@ -7,6 +7,7 @@ are read once per group and grouped-query attention costs no repeat. Long contex
 few sequences are split across programs (flash-decoding): each split keeps a running
 max and sum in base 2, writes its normalised partial output and log-sum-exp, and a small
 second kernel merges the splits. With one split the first kernel writes the output itself.
+The split count is a runtime argument, so a new count compiles nothing.
 
 fp8 caches hold raw bytes: a tile is bitcast to fp8 and widened (exactly) to the query's
 dtype so the dot runs on tensor cores; the per-head K scale folds into the softmax scale
@@ -71,8 +72,8 @@ def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, context_lens_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
     q_token_stride, q_head_stride, cache_head_stride, cache_slot_stride, table_stride,
-    out_token_stride, tokens_per_split,
-    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+    out_token_stride, tokens_per_split, num_splits,
+    SPLIT: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, FP8: tl.constexpr, FP8_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -110,11 +111,11 @@ def _decode_kernel(
     # An empty split (context shorter than its start) has l_i == 0: weight 0 when merged.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_mask = row_mask[:, None] & dim_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         offsets = seq.to(tl.int64) * out_token_stride + heads[:, None] * HEAD_DIM + dims[None, :]
         tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        part = (seq * GROUP * tl.num_programs(1) + heads).to(tl.int64) * NUM_SPLITS + split
+        part = (seq * GROUP * tl.num_programs(1) + heads).to(tl.int64) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * DIM_P2 + dims[None, :], out, mask=out_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_mask)
@@ -122,17 +123,17 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, out_token_stride,
-    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+    part_out_ptr, part_lse_ptr, out_ptr, out_token_stride, num_splits,
+    SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
     DIM_P2: tl.constexpr,
 ):  # fmt: skip
     seq, head = tl.program_id(0), tl.program_id(1)
     splits = tl.arange(0, SPLITS_P2)
     dims = tl.arange(0, DIM_P2)
-    part = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS + splits
-    lse = tl.load(part_lse_ptr + part, mask=splits < NUM_SPLITS, other=float("-inf"))
+    part = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits + splits
+    lse = tl.load(part_lse_ptr + part, mask=splits < num_splits, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
-    mask = (splits[:, None] < NUM_SPLITS) & (dims[None, :] < HEAD_DIM)
+    mask = (splits[:, None] < num_splits) & (dims[None, :] < HEAD_DIM)
     parts = tl.load(part_out_ptr + part[:, None] * DIM_P2 + dims[None, :], mask=mask, other=0)
     out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
     offsets = seq.to(tl.int64) * out_token_stride + head * HEAD_DIM + dims
@@ -159,15 +160,15 @@ def decode_attention(q: torch.Tensor, kv: KVCache, layer: int, tables: torch.Ten
         q, k_cache, v_cache, tables, context_lens, kv.k_scale[layer], kv.v_scale[layer],
         out, part_out, part_lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0),
-        out.stride(0), tokens_per_split,
-        NUM_SPLITS=num_splits, GROUP=group, GROUP_P2=max(MIN_MMA, triton.next_power_of_2(group)),
+        out.stride(0), tokens_per_split, num_splits,
+        SPLIT=num_splits > 1, GROUP=group, GROUP_P2=max(MIN_MMA, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, DIM_P2=dim_p2, BLOCK_SIZE=kv.block_size, BLOCK_N=block_n,
         FP8=kv.is_fp8, FP8_DTYPE=TRITON_FP8.get(kv.dtype, tl.float32),
         **dot_config(q.dtype),
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, out.stride(0),
-            NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
+            part_out, part_lse, out, out.stride(0), num_splits,
+            SPLITS_P2=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, DIM_P2=dim_p2,
         )  # fmt: skip
