@@ -130,6 +130,7 @@ class Api:
                 self.ns, label_selector=sel
             ).items,
             "Secret": self.core.list_namespaced_secret(self.ns, label_selector=sel).items,
+            "ConfigMap": self.core.list_namespaced_config_map(self.ns, label_selector=sel).items,
         }
 
     def token(self, name: str) -> str:
@@ -296,6 +297,7 @@ def test_create_children_owners_ready_and_url(api, k8s, kubeconfig_env):
             "Service": ["chat"],
             "PodDisruptionBudget": ["chat"],
             "Secret": ["chat-admin-token"],
+            "ConfigMap": ["chat-engine"],
         }
         for objs in kids.values():
             assert owner_uid(objs[0]) == ("InferenceService", uid, True, True)
@@ -456,6 +458,7 @@ def test_drift_is_corrected_within_one_interval(api, k8s, kubeconfig_env):
             "Service": 1,
             "PodDisruptionBudget": 1,
             "Secret": 1,
+            "ConfigMap": 1,
         }
 
 
@@ -567,6 +570,7 @@ def test_operator_restart_mid_reconcile_converges_without_duplicates(api, kubeco
             "Service": 1,
             "PodDisruptionBudget": 1,
             "Secret": 1,
+            "ConfigMap": 1,
         }
         token = api.token("chat")
         threading.Timer(1.0, release.set).start()  # the stuck handler dies as kopf stops
@@ -581,6 +585,7 @@ def test_operator_restart_mid_reconcile_converges_without_duplicates(api, kubeco
             "Service": 1,
             "PodDisruptionBudget": 1,
             "Secret": 1,
+            "ConfigMap": 1,
         }
         assert api.token("chat") == token  # the Secret was adopted, not regenerated
         dep = kids["Deployment"][0]

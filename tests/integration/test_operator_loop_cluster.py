@@ -1,0 +1,313 @@
+"""The closed loop through the real control plane: the operator (kopf.testing.KopfRunner)
+runs its loop timer against real `batchpilot serve` processes on 127.0.0.1, and its
+decisions must show up where a user looks: the Deployment's replicas and pod template, the
+ConfigMap new pods read, the InferenceService's status and Events, `kubectl get bpis`, and
+the operator's own /metrics.
+
+kwok's pods serve nothing and their IPs are fake, so the operator is fed through its URL
+metrics source (OperatorConfig.metrics_urls) from servers outside the cluster: the pods
+stand for them. No traffic goes to a pod IP: every operator here has metrics URLs.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from kopf.testing import KopfRunner
+from kubernetes import client
+from test_operator_cluster import Api, wait_for
+from test_server_harness import TINY_FLAGS, ServerProcess
+
+from batchpilot import names
+from batchpilot.operator.config import OperatorConfig
+from batchpilot.operator.crd import GROUP, PLURAL, VERSION
+from batchpilot.operator.handlers import make_registry
+from batchpilot.server.bench.server_process import free_port
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGE = "example.invalid/batchpilot-server:test"
+TOKEN = "loop-admin-token-5d1e"
+MODEL = "tiny"
+TIMEOUT = 180  # decisions need a window of observation (20 s) on a shared 2-core machine
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> str:
+    from tiny_llama import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def api(k8s, namespace, monkeypatch) -> Api:
+    k8s.run_kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    k8s.run_kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
+    monkeypatch.setenv("KUBECONFIG", k8s.kubeconfig)
+    for var in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    return Api(k8s, namespace)
+
+
+def serve(tiny_path: str, tmp_path: Path, *flags: str) -> ServerProcess:
+    args = ["--model", tiny_path, "--served-model-name", MODEL, *TINY_FLAGS,
+            "--admin-token", TOKEN, *flags]  # fmt: skip
+    return ServerProcess(args, tmp_path / f"serve-{free_port()}.log").start()
+
+
+@contextlib.contextmanager
+def operator(api: Api, metrics_urls: list[str], liveness: str | None = None) -> Iterator[None]:
+    config = OperatorConfig(
+        server_image=IMAGE,
+        reconcile_interval=5,
+        loop_interval=2,
+        metrics_urls=metrics_urls,
+        liveness=liveness,
+    )
+    args = ["run", "--standalone", "--verbose", "-n", api.ns]
+    with KopfRunner(args, registry=make_registry(config), timeout=60) as runner:
+        try:
+            yield
+        finally:  # while the operator runs, so that kopf releases its finalizer
+            for item in api.custom.list_namespaced_custom_object(GROUP, VERSION, api.ns, PLURAL)[
+                "items"
+            ]:
+                with contextlib.suppress(client.ApiException):
+                    api.delete(item["metadata"]["name"])
+            wait_for(
+                "InferenceServices deleted",
+                lambda: (
+                    not api.custom.list_namespaced_custom_object(GROUP, VERSION, api.ns, PLURAL)[
+                        "items"
+                    ]
+                ),
+            )
+    assert runner.exception is None, runner.output
+
+
+def adopt_token(api: Api, name: str) -> None:
+    """The servers were started with TOKEN: give the operator a Secret holding it, which it
+    adopts (it only generates a token where it finds none)."""
+    api.core.create_namespaced_secret(
+        api.ns,
+        {
+            "metadata": {"name": f"{name}-admin-token"},
+            "data": {"token": base64.b64encode(TOKEN.encode()).decode()},
+        },
+    )
+
+
+@contextlib.contextmanager
+def load(server: ServerProcess, workers: int, max_tokens: int) -> Iterator[None]:
+    """Closed-loop clients, each sending the next completion when the last one ends."""
+    stop = threading.Event()
+
+    def work() -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            while not stop.is_set():
+                with contextlib.suppress(httpx.HTTPError):
+                    http.post("/v1/completions", json={
+                        "model": MODEL, "prompt": "Count slowly: one two three",
+                        "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+                    })  # fmt: skip
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(150)
+
+
+def events(api: Api, name: str) -> dict[str, str]:
+    """reason -> message of the Events on the InferenceService."""
+    return {
+        e.reason: e.message
+        for e in api.core.list_namespaced_event(api.ns).items
+        if e.involved_object.kind == "InferenceService" and e.involved_object.name == name
+    }
+
+
+def replica_sets(api: Api, name: str) -> list[int]:
+    rss = api.apps.list_namespaced_replica_set(
+        api.ns, label_selector=f"batchpilot.dev/service={name}"
+    ).items
+    return sorted(rs.spec.replicas for rs in rss)
+
+
+def test_raise_and_scale_up_reach_the_servers_the_deployment_and_status(
+    api, k8s, tiny_path, tmp_path
+):
+    """A slot-bound server (max_num_seqs 2, a queue of 6, KV mostly free): the tuner
+    raises max_num_seqs live on the server and in the ConfigMap without rolling the pods,
+    and the autoscaler adds replicas to the Deployment; Events, status, the printer column
+    and the operator's own metrics all show it."""
+    server = serve(tiny_path, tmp_path, "--max-num-seqs", "2")
+    liveness = f"http://127.0.0.1:{free_port()}/healthz"
+    spec = {
+        "engine": {"maxNumSeqs": 2},
+        "tuning": {"enabled": True, "maxNumSeqs": {"min": 2, "max": 16}, "cooldownSeconds": 0,
+                   "targetInterTokenLatencySeconds": 60},
+        "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3,
+                        "targetQueueLength": 1, "scaleUpStabilizationSeconds": 1},
+    }  # fmt: skip
+    try:
+        with operator(api, [server.url], liveness):
+            adopt_token(api, "chat")
+            api.create("chat", spec)
+            wait_for("Ready", lambda: api.ready("chat"), timeout=TIMEOUT)
+            assert replica_sets(api, "chat") == [1]
+            with load(server, workers=8, max_tokens=48):
+                tuning = wait_for(
+                    "a raise of max_num_seqs in status",
+                    lambda: (
+                        (t := api.get("chat").get("status", {}).get("tuning"))
+                        and t.get("maxNumSeqs", 2) > 2
+                        and t
+                    ),
+                    timeout=TIMEOUT,
+                )
+                raised = tuning["maxNumSeqs"]
+                wait_for(
+                    "the raised value live on the server",
+                    lambda: server.metric(names.MAX_NUM_SEQS_METRIC) == raised,
+                    timeout=30,
+                )
+                dep = wait_for(
+                    "a scale-up in the Deployment",
+                    lambda: (
+                        (d := api.apps.read_namespaced_deployment("chat", api.ns))
+                        and d.spec.replicas > 1
+                        and d
+                    ),
+                    timeout=TIMEOUT,
+                )
+            autoscaling = api.get("chat")["status"]["autoscaling"]
+            assert dep.spec.replicas == autoscaling["desiredReplicas"] <= 3
+            config_map = api.core.read_namespaced_config_map("chat-engine", api.ns)
+            assert int(config_map.data["max_num_seqs"]) >= raised
+            # A tuned max_num_seqs never rolls the pods: one ReplicaSet, scaled.
+            wait_for("the scaled pods Ready", lambda: api.ready("chat"), timeout=TIMEOUT)
+            assert len(replica_sets(api, "chat")) == 1
+            st = api.get("chat")["status"]
+            assert st["engine"]["maxNumSeqs"] == int(config_map.data["max_num_seqs"])
+            row = k8s.run_kubectl("get", "bpis", "chat", "-n", api.ns).stdout.split("\n")[1]
+            assert row.split()[3] == str(st["engine"]["maxNumSeqs"])
+            reasons = wait_for(
+                "Events for both decisions",
+                lambda: (r := events(api, "chat")) and {"MaxNumSeqsRaised", "ScaledUp"} <= set(r),
+            )
+            assert reasons["ScaledUp"].startswith("replicas 1 -> "), reasons
+            metrics = httpx.get(liveness.replace("/healthz", "/metrics"), timeout=5).text
+            assert 'batchpilot_operator_decisions_total{kind="raise"}' in metrics
+            assert 'batchpilot_operator_desired_replicas{name="chat"' in metrics
+    finally:
+        server.stop()
+
+
+def test_thrash_switches_to_fp8_and_rolls_the_deployment(api, tiny_path, tmp_path):
+    """A server whose max_num_seqs (64) is far more than its KV cache (1 MiB) holds swaps
+    and preempts: with allowFP8KVCache the tuner switches the KV cache to fp8, which changes
+    the pod template and rolls the Deployment with maxUnavailable 0."""
+    server = serve(tiny_path, tmp_path, "--max-num-seqs", "64", "--kv-cache-memory", "1MiB")
+    spec = {
+        "engine": {"maxNumSeqs": 64},
+        "tuning": {"enabled": True, "maxNumSeqs": {"min": 8, "max": 64}, "cooldownSeconds": 0,
+                   "allowFP8KVCache": True, "targetInterTokenLatencySeconds": 60},
+    }  # fmt: skip
+    try:
+        with operator(api, [server.url]):
+            adopt_token(api, "thrash")
+            api.create("thrash", spec)
+            wait_for("Ready", lambda: api.ready("thrash"), timeout=TIMEOUT)
+            with load(server, workers=24, max_tokens=300):
+                wait_for(
+                    "the fp8 decision in status",
+                    lambda: (
+                        api.get("thrash").get("status", {}).get("tuning", {}).get("kvCacheDtype")
+                        == "fp8"
+                    ),
+                    timeout=TIMEOUT,
+                )
+            st = wait_for(
+                "the rolled generation Ready with fp8",
+                lambda: (
+                    (s := api.ready("thrash"))
+                    and s.get("engine", {}).get("kvCacheDtype") == "fp8"
+                    and s
+                ),
+                timeout=TIMEOUT,
+            )
+            assert any(h["kind"] == "fp8" for h in st["tuning"]["history"]), st["tuning"]
+            dep = api.apps.read_namespaced_deployment("thrash", api.ns)
+            args = dep.spec.template.spec.containers[0].args
+            assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
+            assert dep.spec.strategy.rolling_update.max_unavailable == 0
+            wait_for(
+                "the old ReplicaSet scaled to 0", lambda: replica_sets(api, "thrash") == [0, 1]
+            )
+            assert "KVCacheFP8" in events(api, "thrash")
+    finally:
+        server.stop()
+
+
+def test_hpa_mode_emits_an_hpa_the_api_server_accepts(api, k8s):
+    """mode hpa: an autoscaling/v2 HPA on vllm:num_requests_waiting, validated and stored
+    by the API server, targets the InferenceService's scale subresource; spec.replicas
+    rules the Deployment. Back to builtin, the HPA goes. mode keda without KEDA installed
+    is reported, and builds nothing."""
+    autoscaling = {"enabled": True, "mode": "hpa", "minReplicas": 1, "maxReplicas": 5,
+                   "targetQueueLength": 2.5, "scaleDownStabilizationSeconds": 120}  # fmt: skip
+    hpas = client.AutoscalingV2Api(k8s.api)
+    unreachable = f"http://127.0.0.1:{free_port()}"  # nothing listens: scrapes fail fast
+    with operator(api, [unreachable]):
+        api.create("chat", {"autoscaling": autoscaling, "replicas": 2})
+        st = wait_for("Ready", lambda: api.ready("chat"), timeout=TIMEOUT)
+        assert st["readyReplicas"] == 2
+        hpa = wait_for(
+            "the HPA", lambda: hpas.read_namespaced_horizontal_pod_autoscaler("chat", api.ns)
+        )
+        assert (hpa.spec.scale_target_ref.kind, hpa.spec.scale_target_ref.name) == (
+            "InferenceService",
+            "chat",
+        )
+        assert (hpa.spec.min_replicas, hpa.spec.max_replicas) == (1, 5)
+        (metric,) = hpa.spec.metrics
+        assert metric.external.metric.name == "vllm:num_requests_waiting"
+        assert metric.external.target.average_value == "2500m"
+        assert hpa.spec.behavior.scale_down.stabilization_window_seconds == 120
+        assert hpa.metadata.owner_references[0].kind == "InferenceService"
+        # What the HPA controller would do: write spec.replicas through the scale subresource.
+        k8s.run_kubectl("scale", "bpis/chat", "--replicas=3", "-n", api.ns)
+        wait_for(
+            "3 replicas from spec.replicas",
+            lambda: api.apps.read_namespaced_deployment("chat", api.ns).spec.replicas == 3,
+        )
+        assert "autoscaling" not in api.get("chat").get("status", {})  # the loop stays out
+
+        api.patch("chat", {"autoscaling": {"mode": "builtin"}})
+        wait_for(
+            "the HPA deleted",
+            lambda: not hpas.list_namespaced_horizontal_pod_autoscaler(api.ns).items,
+        )
+
+        keda = {**autoscaling, "mode": "keda", "keda": {"serverAddress": "http://prom:9090"}}
+        api.create("keda", {"autoscaling": keda})
+        degraded = wait_for(
+            "Degraded without KEDA",
+            lambda: (c := api.condition("keda", "Degraded")).get("status") == "True" and c,
+        )
+        assert degraded["reason"] == "AutoscalerNotServed", degraded
+        assert not api.apps.list_namespaced_deployment(
+            api.ns, label_selector="batchpilot.dev/service=keda"
+        ).items
