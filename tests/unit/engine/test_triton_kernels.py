@@ -35,9 +35,9 @@ from batchpilot.server.attention.triton_metadata import build_triton_metadata
 from batchpilot.server.kv.cache import KVCache
 
 CPU = torch.device("cpu")
-# ||out - ref|| / ||ref|| bounds: float32 agrees to rounding; bf16 rounds the output and
-# the probabilities fed to the second matmul.
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# ||out - ref|| / ||ref|| bounds. Measured worst: float32 2e-7 (rounding order alone);
+# bf16 5e-3, one bf16 rounding of the output plus the reference's own bf16 matmuls.
+TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
 CASES = [  # (model dtype, kv_cache_dtype)
     (torch.float32, "auto"),
     (torch.bfloat16, "auto"),
