@@ -19,6 +19,8 @@ GPU they stay in the model dtype, the probabilities rounded to it as flash atten
 does; server/bench/gpu.py checks that path against the reference.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -34,7 +36,7 @@ MIN_MMA = 16  # tl.dot needs every dimension >= 16 on NVIDIA GPUs
 
 def dot_config(dtype: torch.dtype) -> dict:
     """Kernel constants for the dot operands of a model dtype (see the module docstring)."""
-    if triton.knobs.runtime.interpret or dtype == torch.float32:
+    if os.environ.get("TRITON_INTERPRET") == "1" or dtype == torch.float32:
         return {"DOT_DTYPE": tl.float32, "DOT_PRECISION": "ieee"}
     return {"DOT_DTYPE": TRITON_DTYPES[dtype], "DOT_PRECISION": "tf32"}
 
