@@ -4,8 +4,9 @@ file is stale and checks that the chart's rendered Roles grant exactly these rul
 
 The chart binds the cluster-scoped resources with a ClusterRole and, in watchNamespaces mode,
 the namespaced ones with a Role per namespace, so each rule is split by scope here.
-Optional rule sets (module attributes NAME_RULES besides RULES, e.g. HPA_RULES, KEDA_RULES)
-are written under `optional.<name>`; the chart grants them only when that feature is enabled.
+Rules for optional features are written under `optional.<feature>`, and the chart grants
+them only when `autoscaling.<feature>.enabled`: the rules of RULES on an API group of
+OPTIONAL_GROUPS, and any module attribute <FEATURE>_RULES besides RULES.
 """
 
 from __future__ import annotations
@@ -34,6 +35,17 @@ CLUSTER_SCOPED = {
 }
 
 
+# Optional features by the API groups their rules touch.
+OPTIONAL_GROUPS = {"hpa": {"autoscaling"}, "keda": {"keda.sh"}}
+
+
+def feature(rule: dict) -> str | None:
+    for name, groups in OPTIONAL_GROUPS.items():
+        if set(rule["apiGroups"]) <= groups:
+            return name
+    return None
+
+
 def split(rules: list[dict]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {"cluster": [], "namespaced": []}
     for rule in rules:
@@ -49,13 +61,17 @@ def split(rules: list[dict]) -> dict[str, list[dict]]:
 
 
 def document() -> dict:
-    optional = {
-        name[: -len("_RULES")].lower(): split(value)
-        for name, value in sorted(vars(rbac).items())
-        if name.endswith("_RULES") and name != "RULES" and isinstance(value, list)
-    }
+    extra: dict[str, list[dict]] = {name: [] for name in OPTIONAL_GROUPS}
+    for name, value in sorted(vars(rbac).items()):
+        if name.endswith("_RULES") and name != "RULES" and isinstance(value, list):
+            extra.setdefault(name[: -len("_RULES")].lower(), []).extend(value)
+    for rule in rbac.RULES:
+        if feature(rule):
+            extra[feature(rule)].append(rule)
+    required = [rule for rule in rbac.RULES if not feature(rule)]
+    optional = {name: split(rules) for name, rules in extra.items() if rules}
     # A JSON round trip: plain copies, so the YAML has no anchors.
-    return json.loads(json.dumps({"rules": split(rbac.RULES), "optional": optional}))
+    return json.loads(json.dumps({"rules": split(required), "optional": optional}))
 
 
 def render() -> str:

@@ -71,7 +71,10 @@ def test_chart_rbac_file_is_generated_from_operator_rbac():
     gen = _gen_rbac()
     assert gen.OUT.read_text() == gen.render(), "stale files/rbac-rules.yaml: run `make chart`"
     doc = gen.document()
-    assert expand(doc["rules"]["cluster"] + doc["rules"]["namespaced"]) == expand(rbac.RULES)
+    every = doc["rules"]["cluster"] + doc["rules"]["namespaced"]
+    for sets in doc["optional"].values():
+        every += sets["cluster"] + sets["namespaced"]
+    assert expand(every) == expand(rbac.RULES)
 
 
 def test_values_schema_is_valid_json_with_every_top_level_value():
@@ -152,15 +155,29 @@ def test_deployment_hardening_and_args(k8s):
     assert "--all-namespaces" not in c["args"]
 
 
+def optional_rules(gen, *features: str) -> set[tuple[str, str, str]]:
+    doc = gen.document()["optional"]
+    return {
+        t for f in features if f in doc for t in expand(doc[f]["cluster"] + doc[f]["namespaced"])
+    }
+
+
 def test_rendered_rbac_is_exactly_operator_rbac(k8s):
     gen = _gen_rbac()
-    # Every namespace: one ClusterRole with all the rules, no Roles.
-    docs = render(k8s)
+    everything = ["--set", "autoscaling.hpa.enabled=true", "--set", "autoscaling.keda.enabled=true"]
+    nothing = ["--set", "autoscaling.hpa.enabled=false", "--set", "autoscaling.keda.enabled=false"]
+    # Every namespace, every feature: one ClusterRole with exactly rbac.RULES, no Roles.
+    docs = render(k8s, *everything)
     (cr,) = by_kind(docs, "ClusterRole")
     assert expand(cr["rules"]) == expand(rbac.RULES)
     assert not by_kind(docs, "Role")
+    # The defaults: HPA permissions (the API is always served), KEDA's only when enabled.
+    (cr,) = by_kind(render(k8s), "ClusterRole")
+    assert expand(cr["rules"]) == expand(rbac.RULES) - optional_rules(gen, "keda")
+    (cr,) = by_kind(render(k8s, *nothing), "ClusterRole")
+    assert expand(cr["rules"]) == expand(rbac.RULES) - optional_rules(gen, "hpa", "keda")
     # Namespaced mode: cluster-scoped rules cluster-wide, the rest in each watched namespace.
-    docs = render(k8s, "--set", "watchNamespaces={team-a,team-b}")
+    docs = render(k8s, "--set", "watchNamespaces={team-a,team-b}", *everything)
     (cr,) = by_kind(docs, "ClusterRole")
     roles = by_kind(docs, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
@@ -171,15 +188,6 @@ def test_rendered_rbac_is_exactly_operator_rbac(k8s):
         assert not expand(role["rules"]) & cluster_only
     bindings = by_kind(docs, "RoleBinding")
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
-    # Optional rule sets only when their feature is on.
-    optional = gen.document()["optional"]
-    everything = render(
-        k8s, "--set", "autoscaling.hpa.enabled=true", "--set", "autoscaling.keda.enabled=true"
-    )
-    extra = set()
-    for sets in optional.values():
-        extra |= expand(sets["cluster"] + sets["namespaced"])
-    assert expand(by_kind(everything, "ClusterRole")[0]["rules"]) == expand(rbac.RULES) | extra
     # RBAC apiGroups carry no version.
     for rule in cr["rules"] + roles[0]["rules"]:
         assert all("/" not in g for g in rule["apiGroups"]), rule
@@ -289,6 +297,8 @@ def test_install_rbac_and_uninstall(k8s, namespace):
             "image.repository=batchpilot-operator",
             "--set",
             "image.tag=cluster-test",
+            "--set",
+            "autoscaling.keda.enabled=true",
             "--wait",
             "--timeout",
             "180s",
