@@ -33,6 +33,9 @@ SWAP_SPACE = Knob("swap_space", "swapSpaceGiB")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 PREEMPTION_MODES = ("swap", "recompute")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+SCHEDULING_POLICIES = ("continuous", "static")
 
 # Knobs the admin API changes while the server runs.
 LIVE_KNOBS = (MAX_NUM_SEQS.name,)

@@ -23,9 +23,7 @@ with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.step()
     step_ms = (time.perf_counter() - start) / 20 * 1e3
 table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
-header = (
-    f"20 engine steps, {engine.last_step_batch_size} sequences in the last, {step_ms:.1f} ms/step\n"
-)
+header = f"20 engine steps, {engine.stats().last_step_batch_size} sequences in the last, {step_ms:.1f} ms/step\n"
 out = Path(__file__).parent / "results" / "profile-decode.txt"
 out.write_text(header + table)
 print(header + table)

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchpilot.server.stats import EngineStats
+
 logger = logging.getLogger(__name__)
 
 
@@ -32,7 +34,7 @@ class StepResult:
     """Everything one pass of the engine thread produced, delivered to the loop at once."""
 
     outputs: list  # RequestOutput of this step
-    stats: dict  # engine.stats() after the step
+    stats: EngineStats  # engine.stats() after the step
     stepped: bool  # whether engine.step() ran (histograms of step sizes count only those)
     time: float  # time.monotonic() when the step ended
     admissions: list = field(default_factory=list)  # (RequestStream, exception or None)
@@ -100,7 +102,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._num_submitted_not_added = 0
         self.loaded: asyncio.Future | None = None
-        self.stats: dict = {}
+        self.stats: EngineStats | None = None  # after the latest step; None until loaded
         self.config = None  # the engine's resolved EngineConfig, once loaded
         self.tokenizer = None
         self.failure: BaseException | None = None
@@ -121,11 +123,8 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         """Requests not yet running: the engine's waiting queue plus those handed over but
         not yet picked up by the engine thread."""
-        return self.stats.get("num_waiting", 0) + self._num_submitted_not_added
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
+        waiting = self.stats.num_waiting if self.stats is not None else 0
+        return waiting + self._num_submitted_not_added
 
     async def submit(self, requests: list[tuple[str, Any, Any]]) -> RequestStream:
         """requests: (request_id, prompt or token ids, SamplingParams). Returns once the
@@ -209,7 +208,7 @@ class AsyncEngine:
         if self._on_step is not None:
             self._on_step(result)
 
-    def _loaded(self, engine_config, tokenizer, stats: dict) -> None:
+    def _loaded(self, engine_config, tokenizer, stats: EngineStats) -> None:
         self.config = engine_config
         self.tokenizer = tokenizer
         self.stats = stats

@@ -1,7 +1,10 @@
-"""EngineConfig: every engine knob, defined once for the CLI, LLM(...) and the admin API."""
+"""EngineConfig: every engine knob, defined once. Each field carries its help text and
+choices; `batchpilot serve`'s engine flags, LLM(...) and the admin API all come from
+here, as vLLM's EngineArgs does it."""
 
 import argparse
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 
 from batchpilot import names
@@ -13,65 +16,79 @@ class ConfigError(ValueError):
     pass
 
 
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5G', '1000000' -> bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(float(t))
+
+
+def knob(default, help: str, *, choices: tuple | None = None, flag: str | None = None,
+         parse: typing.Callable[[str], object] | None = None, unit: int | None = None):  # fmt: skip
+    """A config field and its `batchpilot serve` flag. flag defaults to --field-name;
+    parse turns the flag's text into the field's value; unit: the flag counts in units of
+    this many (bytes), the field in ones."""
+    meta = {"help": help, "choices": choices, "flag": flag, "parse": parse, "unit": unit}
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto: bfloat16 where the hardware has fast bf16, else float32
-    device: str = "auto"  # auto: cuda when available, else cpu
-    max_model_len: int | None = None  # None: min(model's limit, 4096)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # None: 2048, or max_model_len w/o chunking
-    block_size: int = 16
-    kv_cache_dtype: str = "auto"
-    kv_cache_memory_bytes: int | None = None  # CPU default 1 GiB; on CUDA overrides util
-    gpu_memory_utilization: float = 0.9
-    swap_space_bytes: int = 4 * GiB
-    preemption_mode: str = "swap"
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
+    model: str | None = knob(None, "HF model dir, .gguf file, hf://org/name (pre-cached) or "
+                             "'bundled' (default: the bundled SmolLM2-135M-Instruct)")  # fmt: skip
+    dtype: str = knob("auto", "auto: bfloat16 where the hardware computes it fast, else "
+                      "float16 on GPUs and float32 on CPUs", choices=names.DTYPES)  # fmt: skip
+    device: str = knob("auto", "auto: cuda when available, else cpu", choices=names.DEVICES)
+    max_model_len: int | None = knob(None, "longest prompt plus output, in tokens "
+                                     "(default: the model's limit, at most 4096)")  # fmt: skip
+    max_num_seqs: int = knob(64, "most sequences in one step; changes live (/admin/config)")
+    max_num_batched_tokens: int | None = knob(None, "token budget of one step (default: 2048, "
+                                              "or max_model_len without chunked prefill)")  # fmt: skip
+    block_size: int = knob(16, "tokens per KV-cache block", choices=names.BLOCK_SIZES)
+    kv_cache_dtype: str = knob("auto", "auto: the model dtype; fp8 (e4m3) halves bf16's "
+                               "footprint", choices=names.KV_CACHE_DTYPES)  # fmt: skip
+    kv_cache_memory_bytes: int | None = knob(
+        None, "KV cache size, e.g. 2GiB (CPU default 1GiB; on CUDA overrides "
+        "--gpu-memory-utilization)", flag="--kv-cache-memory", parse=parse_bytes
+    )  # fmt: skip
+    gpu_memory_utilization: float = knob(0.9, "fraction of GPU memory for weights, "
+                                         "activations and the KV cache")  # fmt: skip
+    swap_space_bytes: int = knob(4 * GiB, "CPU swap space for preempted sequences, GiB",
+                                 flag=names.SWAP_SPACE.flag, unit=GiB)  # fmt: skip
+    preemption_mode: str = knob("swap", "what happens to a preempted sequence's KV: swap to "
+                                "CPU, or recompute it later", choices=names.PREEMPTION_MODES)  # fmt: skip
+    enable_chunked_prefill: bool = knob(True, "split long prompts over steps")
+    enable_prefix_caching: bool = knob(True, "reuse the KV blocks of shared prompt prefixes")
     # "static" admits a whole batch only when the previous one has finished: it exists
     # so benchmarks can compare against static batching inside the same engine.
-    scheduling_policy: str = "continuous"
-    seed: int = 0
-    served_model_name: str | None = None
-    extra: dict = field(default_factory=dict)
+    scheduling_policy: str = knob("continuous", "continuous, or static batching for comparison",
+                                  choices=names.SCHEDULING_POLICIES)  # fmt: skip
+    seed: int = knob(0, "seeds the per-request seeds of requests that bring none")
+    served_model_name: str | None = knob(
+        None, f"name clients use (default: {names.DEFAULT_SERVED_MODEL_NAME} for the bundled "
+        "model, else the model path's last component)"
+    )  # fmt: skip
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata["choices"]
+            if choices and getattr(self, f.name) not in choices:
+                raise ConfigError(f"{f.name} must be one of {choices}")
         checks = [
-            (
-                self.kv_cache_dtype in names.KV_CACHE_DTYPES,
-                f"kv_cache_dtype must be one of {names.KV_CACHE_DTYPES}",
-            ),
-            (
-                self.preemption_mode in names.PREEMPTION_MODES,
-                f"preemption_mode must be one of {names.PREEMPTION_MODES}",
-            ),
-            (self.dtype in names.DTYPES, f"dtype must be one of {names.DTYPES}"),
-            (self.device in ("auto", "cpu", "cuda"), "device must be auto, cpu or cuda"),
-            (
-                self.scheduling_policy in ("continuous", "static"),
-                "scheduling_policy must be continuous or static",
-            ),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
-            (
-                self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
-                "block_size must be a power of two <= 128",
-            ),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.swap_space_bytes >= 0, "swap_space must be >= 0"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
-            (
-                self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
-                "kv_cache_memory must be > 0",
-            ),
-            (
-                self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
-                "max_num_batched_tokens must be >= 1",
-            ),
-        ]
+            (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+             "kv_cache_memory must be > 0"),
+            (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+             "max_num_batched_tokens must be >= 1"),
+        ]  # fmt: skip
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
@@ -93,77 +110,62 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_model_len "
                 f"({self.max_model_len}) needs --enable-chunked-prefill: a prompt would never fit"
             )
-        self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_num_seqs)
+        self.apply_live_change({})
+
+    def live_change(self, changes: dict) -> dict:
+        """Check a change to the knobs that change while serving (names.LIVE_KNOBS);
+        -> every field update it implies. Raises ConfigError, changing nothing."""
+        unknown = sorted(set(changes) - set(names.LIVE_KNOBS))
+        if unknown:
+            raise ConfigError(f"{', '.join(unknown)} cannot be changed while the server runs; "
+                              f"live: {', '.join(names.LIVE_KNOBS)}")  # fmt: skip
+        seqs = changes.get("max_num_seqs", self.max_num_seqs)
+        if not isinstance(seqs, int) or isinstance(seqs, bool) or seqs < 1:
+            raise ConfigError(f"max_num_seqs must be an integer >= 1, got {seqs!r}")
+        # A step must have room for one token of every sequence it runs.
+        batched = max(self.max_num_batched_tokens or seqs, seqs)
+        return {"max_num_seqs": seqs, "max_num_batched_tokens": batched}
+
+    def apply_live_change(self, changes: dict) -> None:
+        for name, value in self.live_change(changes).items():
+            setattr(self, name, value)
 
     def public(self) -> dict:
         """The settings in force, as the admin API and logs show them."""
-        return {
-            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"
-        }
-
-
-def parse_bytes(text: str) -> int:
-    """'2GiB', '512MiB', '1.5G', '1000000' -> bytes."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(float(t))
+        return dataclasses.asdict(self)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    d = EngineConfig.__dataclass_fields__
-    g = parser.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="HF model dir, .gguf file, hf://org/name "
-        "(pre-cached) or 'bundled' (default: bundled SmolLM2-135M-Instruct)",
-    )
-    g.add_argument("--dtype", default="auto", choices=names.DTYPES)
-    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    g.add_argument(names.MAX_MODEL_LEN.flag, type=int, default=None)
-    g.add_argument(names.MAX_NUM_SEQS.flag, type=int, default=d["max_num_seqs"].default)
-    g.add_argument(names.MAX_NUM_BATCHED_TOKENS.flag, type=int, default=None)
-    g.add_argument(names.BLOCK_SIZE.flag, type=int, default=d["block_size"].default)
-    g.add_argument(names.KV_CACHE_DTYPE.flag, default="auto", choices=names.KV_CACHE_DTYPES)
-    g.add_argument(names.GPU_MEMORY_UTILIZATION.flag, type=float, default=0.9)
-    g.add_argument(
-        "--kv-cache-memory",
-        type=parse_bytes,
-        default=None,
-        help="KV cache size, e.g. 2GiB (CPU default 1GiB; on CUDA overrides "
-        "--gpu-memory-utilization)",
-    )
-    g.add_argument(names.SWAP_SPACE.flag, type=float, default=4.0, help="CPU swap space, GiB")
-    g.add_argument(names.PREEMPTION_MODE.flag, default="swap", choices=names.PREEMPTION_MODES)
-    g.add_argument(
-        names.ENABLE_CHUNKED_PREFILL.flag, default=True, action=argparse.BooleanOptionalAction
-    )
-    g.add_argument(
-        names.ENABLE_PREFIX_CACHING.flag, default=True, action=argparse.BooleanOptionalAction
-    )
-    g.add_argument("--scheduling-policy", default="continuous", choices=("continuous", "static"))
-    g.add_argument("--seed", type=int, default=0)
+    """One flag per EngineConfig field, from the field's type, default and metadata."""
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        meta = f.metadata
+        flag = meta["flag"] or "--" + f.name.replace("_", "-")
+        kwargs = {"dest": f.name, "default": f.default, "choices": meta["choices"],
+                  "help": _help(f)}  # fmt: skip
+        if meta["flag"]:  # named after the flag, not the field (KV_CACHE_MEMORY, not ..._BYTES)
+            kwargs["metavar"] = meta["flag"].removeprefix("--").replace("-", "_").upper()
+        if f.type is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = meta["parse"] or _flag_type(f.type, meta["unit"])
+        group.add_argument(flag, **kwargs)
+
+
+def _help(f: dataclasses.Field) -> str:
+    default = f.default / f.metadata["unit"] if f.metadata["unit"] else f.default
+    if default is None:
+        return f.metadata["help"]
+    if isinstance(default, float):
+        default = f"{default:g}"
+    return f"{f.metadata['help']} (default: {default})"
+
+
+def _flag_type(annotation, unit: int | None):
+    base = next(t for t in typing.get_args(annotation) or (annotation,) if t is not type(None))
+    return (lambda text: int(float(text) * unit)) if unit else base
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_memory_bytes=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        swap_space_bytes=int(args.swap_space * GiB),
-        preemption_mode=args.preemption_mode,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=args.scheduling_policy,
-        seed=args.seed,
-        served_model_name=getattr(args, "served_model_name", None),
-    )
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+                           if hasattr(args, f.name)})  # fmt: skip

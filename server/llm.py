@@ -8,6 +8,7 @@ from batchpilot.server.config import EngineConfig
 from batchpilot.server.engine import LLMEngine
 from batchpilot.server.outputs import RequestOutput
 from batchpilot.server.sampling_params import SamplingParams
+from batchpilot.server.stats import EngineStats
 
 Prompt = str | list[int] | dict
 
@@ -19,7 +20,7 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
     def generate(

@@ -5,8 +5,13 @@ going (decodes before prefill chunks, so a long prompt cannot stall them), then
 waiting requests are admitted FCFS while `max_num_seqs`, the token budget
 `max_num_batched_tokens` and free blocks allow. When blocks run out, the newest
 running sequence is preempted: swapped to CPU, or freed for recompute.
+
+After the forward pass, `postprocess` appends the sampled tokens and finishes sequences
+on a stop token or on length; stop strings need text, so the output processor finds
+them and the engine finishes those sequences through `finish`.
 """
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -34,12 +39,18 @@ class SchedulerCounters:
     num_swaps_in: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up at admission
     prefix_cache_hits: int = 0  # of those, tokens found in cached blocks
+    num_steps: int = 0
+    prompt_tokens_total: int = 0  # counted when a request makes its first token
+    generation_tokens_total: int = 0
+    last_step_num_tokens: int = 0
+    last_step_batch_size: int = 0
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, eos_token_ids: set[int]):
         self.config = config
         self.kv = kv
+        self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -53,6 +64,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """Free seq's blocks and take it out of its queue. An already finished sequence
+        only takes the new reason: a stop string in its last token outranks length."""
         if seq.status == Status.SWAPPED:
             self.swapped.remove(seq)
             self.kv.free_swapped(seq)
@@ -64,26 +77,75 @@ class Scheduler:
             self.kv.free(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        seq.timings.finished_time = time.monotonic()
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._swap_in(out, budget)
+        self._swap_in(out)
         budget = self._schedule_running(out, budget, decodes=True)
         budget = self._schedule_running(out, budget, decodes=False)
         if not self.swapped and self._may_admit():
             self._admit(out, budget)
+        self._record_step(out)
         return out
+
+    def _record_step(self, out: SchedulerOutput) -> None:
+        self.counters.num_steps += 1
+        self.counters.last_step_num_tokens = out.num_tokens
+        self.counters.last_step_batch_size = len(out.scheduled)
+        now = time.monotonic()
+        for seq, _ in out.scheduled:
+            if seq.timings.first_scheduled_time is None:
+                seq.timings.first_scheduled_time = now
+
+    def postprocess(self, scheduled: list[tuple[Sequence, int]],
+                    tokens: list[int | None]) -> list[Sequence]:  # fmt: skip
+        """After the forward pass: advance each sequence's computed tokens, key its newly
+        full blocks, append its sampled token (None: mid-prefill, nothing sampled) and
+        finish it on a stop token or length. -> the sequences that got a token."""
+        now = time.monotonic()
+        appended = []
+        for (seq, n), token in zip(scheduled, tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.kv.register_computed(seq)
+            if token is not None:
+                self._append(seq, token, now)
+                appended.append(seq)
+        return appended
+
+    def _append(self, seq: Sequence, token: int, now: float) -> None:
+        if seq.timings.first_token_time is None:
+            seq.timings.first_token_time = now
+            self.counters.prompt_tokens_total += seq.num_prompt_tokens
+        seq.timings.last_token_time = now
+        seq.token_ids.append(token)
+        self.counters.generation_tokens_total += 1
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self.finish(seq, reason)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if (
+            token in self.eos_token_ids and not params.ignore_eos
+        ) or token in params.stop_token_ids:
+            return "stop"
+        if (
+            seq.num_output_tokens >= params.max_tokens
+            or seq.num_tokens >= self.config.max_model_len
+        ):
+            return "length"
+        return None
 
     def _may_admit(self) -> bool:
         if self.config.scheduling_policy == "static":
             return not self.running
         return True
 
-    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+    def _swap_in(self, out: SchedulerOutput) -> None:
         while (
             self.swapped
-            and budget > 0
             and len(self.running) < self.config.max_num_seqs
             and self.kv.can_swap_in(self.swapped[0])
         ):
@@ -92,7 +154,6 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             self.counters.num_swaps_in += 1
-        return budget
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, decodes: bool) -> int:
         for seq in list(self.running):
@@ -158,6 +219,8 @@ class Scheduler:
             self.waiting.popleft()
             self.counters.prefix_cache_queries += seq.num_tokens
             self.counters.prefix_cache_hits += cached_tokens
+            if seq.num_preemptions == 0:  # a recomputed sequence keeps its first count
+                seq.num_cached_tokens = cached_tokens
             self.kv.admit(seq, blocks, hashes)
             self.kv.allocate_slots(seq, remaining)
             seq.status = Status.RUNNING

@@ -34,7 +34,9 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        generator=None,
     ):
+        """generator: the torch.Generator this request samples from (unused when greedy)."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -43,14 +45,13 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # chained hashes of the full blocks computed so far
+        self.block_hashes: list[bytes] = []  # chained digests of the full blocks computed
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.cpu_block_table: list[int] = []  # while SWAPPED
         self.num_preemptions = 0
         self.timings = Timings() if arrival_time is None else Timings(arrival_time)
-        self.text = ""
-        self.emitted_text_len = 0
-        self.emitted_token_count = 0
+        self.generator = generator
 
     @property
     def num_tokens(self) -> int:

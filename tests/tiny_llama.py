@@ -1,5 +1,8 @@
 """A tiny random-weight Llama with the bundled model's tokenizer, for tests and smoke
-benchmarks: real architecture and real tokenizer, no download, loads in a second."""
+benchmarks: real architecture and real tokenizer, no download, loads in a second.
+
+tests/ is on sys.path (pytest puts the directory of the rootdir conftest.py there, as
+tests/ is no package), so tests import this as `from tiny_llama import make_tiny_llama`."""
 
 from pathlib import Path
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from batchpilot import names
+from batchpilot import __version__, names
 from batchpilot.server.api import admin, chat, completions, probes
 from batchpilot.server.api.auth import ApiKeyMiddleware
 from batchpilot.server.api.body_limit import BodyLimitMiddleware
@@ -25,6 +25,7 @@ from batchpilot.server.api.metrics import ServerMetrics
 from batchpilot.server.api.stats_log import log_stats_forever
 from batchpilot.server.async_engine import AsyncEngine
 from batchpilot.server.config import ConfigError, EngineConfig, config_from_args
+from batchpilot.server.stats import EngineStats
 
 logger = logging.getLogger("batchpilot.serve")
 
@@ -71,7 +72,7 @@ def build_app(
                 task.cancel()
             await engine.shutdown()
 
-    app = FastAPI(title="batchpilot", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="batchpilot", version=__version__, lifespan=lifespan)
     app.state.context = context
     install_error_handlers(app)
     for module in (completions, chat, probes, admin):
@@ -100,13 +101,12 @@ def default_served_model_name(model: str | None) -> str:
     return Path(model.rstrip("/")).name
 
 
-def ready_line(url: str, model: str, config: EngineConfig, stats: dict) -> str:
+def ready_line(url: str, model: str, config: EngineConfig, stats: EngineStats) -> str:
     """The one line an operator looks for: where, what, and how much fits at once."""
-    kv_tokens = stats["num_kv_blocks"] * stats["block_size"]
-    concurrency = kv_tokens / config.max_model_len
+    concurrency = stats.num_kv_blocks * stats.block_size / config.max_model_len
     return (
-        f"Ready at {url} serving {model}: {stats['num_kv_blocks']} KV blocks of "
-        f"{stats['block_size']} tokens ({stats['kv_cache_dtype']}), maximum concurrency "
+        f"Ready at {url} serving {model}: {stats.num_kv_blocks} KV blocks of "
+        f"{stats.block_size} tokens ({stats.kv_cache_dtype}), maximum concurrency "
         f"{concurrency:.2f}x for {config.max_model_len}-token requests, "
         f"max_num_seqs {config.max_num_seqs}"
     )

@@ -1,26 +1,27 @@
 """POST /v1/chat/completions: the model's chat template turns messages into a prompt."""
 
-import time
-
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Request
 
 from batchpilot.server.api import responses as r
 from batchpilot.server.api.context import ServerContext, get_context
 from batchpilot.server.api.errors import APIError
-from batchpilot.server.api.generation import (
-    AbortingStreamingResponse,
-    check_model,
-    collect,
-    require_engine,
-    start,
-    stream_error_event,
-)
-from batchpilot.server.api.protocol import ChatCompletionRequest, sampling_params
-from batchpilot.server.async_engine import RequestStream
+from batchpilot.server.api.generation import check_model, require_engine
+from batchpilot.server.api.protocol import ChatCompletionRequest
+from batchpilot.server.api.serving import Endpoint, respond
 
 router = APIRouter()
 
-KIND = "chat.completion.chunk"
+
+def _delta_choice(index: int, text: str, finish_reason: str | None) -> dict:
+    return r.chat_delta_choice(index, {"content": text} if text else {}, finish_reason)
+
+
+def _opening(index: int) -> dict:
+    return r.chat_delta_choice(index, {"role": "assistant", "content": ""}, None)
+
+
+CHAT = Endpoint("chatcmpl", "chat.completion", "chat.completion.chunk", r.chat_choice,
+                _delta_choice, _opening)  # fmt: skip
 
 
 def render_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
@@ -48,53 +49,4 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = max(1, ctx.engine.config.max_model_len - len(prompt))
-    base_id = r.new_id("chatcmpl")
-    requests = [(f"{base_id}-{i}", prompt, sampling_params(body, max_tokens, i))
-                for i in range(body.n)]  # fmt: skip
-    stream = await start(ctx, requests)
-    index = {rid: i for i, (rid, _, _) in enumerate(requests)}
-    created = int(time.time())
-    if body.stream:
-        events = _events(stream, index, base_id, model, created, body.include_usage)
-        return AbortingStreamingResponse(events, stream)
-    final = await collect(stream, request.receive)
-    if final is None:
-        return Response(status_code=499)  # nobody is listening; the requests were aborted
-    outs = sorted(final.values(), key=lambda o: index[o.request_id])
-    choices = [r.chat_choice(index[o.request_id], o.outputs[0].text, o.outputs[0].finish_reason)
-               for o in outs]  # fmt: skip
-    return r.chat_body(base_id, model, choices, _usage(outs), created)
-
-
-def _usage(outs: list) -> dict:
-    # n choices share one prompt, counted once.
-    completion = sum(len(o.outputs[0].token_ids) for o in outs)
-    return r.usage(len(outs[0].prompt_token_ids) if outs else 0, completion)
-
-
-async def _events(stream: RequestStream, index: dict, base_id: str, model: str, created: int,
-                  include_usage: bool):  # fmt: skip
-    def event(choices, usage=None):
-        return r.sse(r.chunk(KIND, base_id, model, created, choices, usage, include_usage))
-
-    yield "".join(event([r.chat_delta_choice(i, {"role": "assistant", "content": ""}, None)])
-                  for i in index.values())  # fmt: skip
-    latest: dict = {}
-    try:
-        async for outs in stream:
-            parts = []
-            for out in outs:
-                latest[out.request_id] = out
-                c = out.outputs[0]
-                if c.delta_text or out.finished:
-                    delta = {"content": c.delta_text} if c.delta_text else {}
-                    choice = r.chat_delta_choice(index[out.request_id], delta, c.finish_reason)
-                    parts.append(event([choice]))
-            if parts:
-                yield "".join(parts)  # one write per step
-    except Exception as e:
-        yield stream_error_event(e)
-    else:
-        if include_usage:
-            yield event([], _usage(list(latest.values())))
-    yield r.DONE
+    return await respond(ctx, request, body, CHAT, model, [prompt], max_tokens)

@@ -1,4 +1,5 @@
-"""`batchpilot serve` flags: vLLM's names, plus the engine's from EngineConfig."""
+"""`batchpilot serve` flags: the engine's, generated from EngineConfig, and the server's,
+with vLLM's names."""
 
 import argparse
 import os
@@ -10,12 +11,6 @@ from batchpilot.server.config import add_engine_args
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     g = parser.add_argument_group("server")
-    g.add_argument(
-        "--served-model-name",
-        default=None,
-        help=f"name clients use (default: {names.DEFAULT_SERVED_MODEL_NAME} for "
-        "the bundled model, else the model path's last component)",
-    )
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=names.DEFAULT_PORT)
     g.add_argument(

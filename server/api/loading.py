@@ -7,7 +7,7 @@ import sys
 
 from tqdm import tqdm
 
-from batchpilot.server.engine import LOAD_STAGES
+from batchpilot.server.model.loader import LOAD_STAGES
 
 
 @contextlib.contextmanager

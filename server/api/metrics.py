@@ -1,6 +1,6 @@
 """/metrics: vLLM's metric names (batchpilot/names.py), label model_name.
 
-Gauges and counters are read from the engine's stats at scrape time by a custom collector,
+Gauges and counters are read from the engine's EngineStats at scrape time by a custom collector,
 so they are never staler than the last engine step. Histograms are observed on the event
 loop from each step's outputs (one call per step, see async_engine.StepResult).
 """
@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from batchpilot import names
+from batchpilot.server.stats import EngineStats
 
 # Latency buckets span a fast GPU decode (ms) to a CPU prefill of a long prompt behind a
 # deep queue (minutes).
@@ -33,9 +34,10 @@ def _counter_base(name: str) -> str:
 
 
 class EngineStatsCollector:
-    """Gauges and counters from a stats dict read at scrape time."""
+    """Gauges and counters from the EngineStats read at scrape time (None: not loaded yet,
+    so the families have no samples)."""
 
-    # (metric name, stats key, help)
+    # (metric name, EngineStats attribute, help)
     GAUGES = (
         (names.NUM_REQUESTS_RUNNING, "num_running", "Requests in the running batch."),
         (names.NUM_REQUESTS_WAITING, "num_waiting", "Requests waiting to be scheduled."),
@@ -52,45 +54,42 @@ class EngineStatsCollector:
         (names.SWAPS_IN, "num_swaps_in", "Sequences swapped back in from CPU memory."),
     )
 
-    def __init__(self, stats: Callable[[], dict], model_name: str):
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str):
         self._stats = stats
         self._model_name = model_name
 
     def describe(self):
         # Declared up front so that registration checks names without reading stats.
-        return self._families({})
+        return self._families(None)
 
     def collect(self):
         return self._families(self._stats())
 
-    def _families(self, stats: dict):
+    def _families(self, stats: EngineStats | None):
         label = [names.METRIC_LABEL]
-        for name, key, doc in self.GAUGES:
+        for name, attr, doc in self.GAUGES:
             family = GaugeMetricFamily(name, doc, labels=label)
-            if key in stats:
-                family.add_metric([self._model_name], float(stats[key]))
+            if stats is not None:
+                family.add_metric([self._model_name], float(getattr(stats, attr)))
             yield family
-        for name, key, doc in self.COUNTERS:
+        for name, attr, doc in self.COUNTERS:
             family = CounterMetricFamily(_counter_base(name), doc, labels=label)
-            if key in stats:
-                family.add_metric([self._model_name], float(stats[key]))
+            if stats is not None:
+                family.add_metric([self._model_name], float(getattr(stats, attr)))
             yield family
         info = GaugeMetricFamily(
             names.KV_CACHE_INFO,
             "KV-cache layout in force; the value is always 1.",
             labels=[*label, "dtype", "block_size", "num_blocks"],
         )
-        if "num_kv_blocks" in stats:
-            info.add_metric(
-                [self._model_name, str(stats["kv_cache_dtype"]), str(stats["block_size"]),
-                 str(stats["num_kv_blocks"])],
-                1.0,
-            )  # fmt: skip
+        if stats is not None:
+            info.add_metric([self._model_name, stats.kv_cache_dtype, str(stats.block_size),
+                             str(stats.num_kv_blocks)], 1.0)  # fmt: skip
         yield info
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], dict]):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]):
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineStatsCollector(stats, model_name))
         self._model_name = model_name
@@ -115,8 +114,8 @@ class ServerMetrics:
     def observe_step(self, step) -> None:
         """Called on the event loop with each async_engine.StepResult."""
         if step.stepped:
-            self.iteration_tokens.observe(step.stats.get("last_step_num_tokens", 0))
-            self.batch_size.observe(step.stats.get("last_step_batch_size", 0))
+            self.iteration_tokens.observe(step.stats.last_step_num_tokens)
+            self.batch_size.observe(step.stats.last_step_batch_size)
         for out in step.outputs:
             self._observe_output(out, step.time)
         for rid in step.aborted:

@@ -43,23 +43,12 @@ def chat_delta_choice(index: int, delta: dict, finish_reason: str | None) -> dic
     return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
 
-def completion_body(request_id: str, model: str, choices: list[dict], usage_: dict,
-                    created: int | None = None) -> dict:  # fmt: skip
+def body(kind: str, request_id: str, model: str, choices: list[dict], usage_: dict,
+         created: int | None = None) -> dict:  # fmt: skip
+    """A whole response. kind: "text_completion" or "chat.completion"."""
     return {
         "id": request_id,
-        "object": "text_completion",
-        "created": created or int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage_,
-    }
-
-
-def chat_body(request_id: str, model: str, choices: list[dict], usage_: dict,
-              created: int | None = None) -> dict:  # fmt: skip
-    return {
-        "id": request_id,
-        "object": "chat.completion",
+        "object": kind,
         "created": created or int(time.time()),
         "model": model,
         "choices": choices,

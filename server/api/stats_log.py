@@ -5,39 +5,40 @@ import logging
 import time
 from collections.abc import Callable
 
+from batchpilot.server.stats import EngineStats
+
 logger = logging.getLogger("batchpilot.stats")
 
 
-def stats_line(previous: dict, current: dict, seconds: float) -> str:
+def stats_line(previous: EngineStats, current: EngineStats, seconds: float) -> str:
     """One line from two engine.stats() snapshots taken `seconds` apart."""
-
-    def rate(key: str) -> float:
-        return (current.get(key, 0) - previous.get(key, 0)) / max(seconds, 1e-9)
-
+    seconds = max(seconds, 1e-9)
+    prompt_rate = (current.prompt_tokens_total - previous.prompt_tokens_total) / seconds
+    generation_rate = (current.generation_tokens_total - previous.generation_tokens_total) / seconds
     return (
-        f"Avg prompt throughput: {rate('prompt_tokens_total'):.1f} tokens/s, "
-        f"Avg generation throughput: {rate('generation_tokens_total'):.1f} tokens/s, "
-        f"Running: {current.get('num_running', 0)} reqs, "
-        f"Swapped: {current.get('num_swapped', 0)} reqs, "
-        f"Pending: {current.get('num_waiting', 0)} reqs, "
-        f"KV cache usage: {100 * current.get('kv_cache_usage', 0.0):.1f}%, "
-        f"CPU KV cache usage: {100 * current.get('cpu_cache_usage', 0.0):.1f}%, "
-        f"Preemptions: {current.get('num_preemptions', 0) - previous.get('num_preemptions', 0)}"
+        f"Avg prompt throughput: {prompt_rate:.1f} tokens/s, "
+        f"Avg generation throughput: {generation_rate:.1f} tokens/s, "
+        f"Running: {current.num_running} reqs, "
+        f"Swapped: {current.num_swapped} reqs, "
+        f"Pending: {current.num_waiting} reqs, "
+        f"KV cache usage: {100 * current.kv_cache_usage:.1f}%, "
+        f"CPU KV cache usage: {100 * current.cpu_cache_usage:.1f}%, "
+        f"Preemptions: {current.num_preemptions - previous.num_preemptions}"
     )
 
 
-def is_idle(previous: dict, current: dict) -> bool:
+def is_idle(previous: EngineStats, current: EngineStats) -> bool:
     """Nothing ran and nothing waits: no line, so an idle server does not fill its log."""
-    busy_keys = ("num_running", "num_waiting", "num_swapped")
-    steps = current.get("num_steps", 0) - previous.get("num_steps", 0)
-    return steps == 0 and not any(current.get(k) for k in busy_keys)
+    busy = current.num_running or current.num_waiting or current.num_swapped
+    return current.num_steps == previous.num_steps and not busy
 
 
-async def log_stats_forever(stats: Callable[[], dict], interval: float) -> None:
-    previous, then = dict(stats()), time.monotonic()
+async def log_stats_forever(stats: Callable[[], EngineStats | None], interval: float) -> None:
+    """stats() is the latest snapshot, None while the engine loads."""
+    previous, then = stats(), time.monotonic()
     while True:
         await asyncio.sleep(interval)
-        current, now = dict(stats()), time.monotonic()
-        if not is_idle(previous, current):
+        current, now = stats(), time.monotonic()
+        if previous is not None and not is_idle(previous, current):
             logger.info(stats_line(previous, current, now - then))
         previous, then = current, now

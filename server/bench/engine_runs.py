@@ -25,8 +25,8 @@ def batchpilot_generate(
     finally:
         del llm
         gc.collect()
-    steps = after["num_steps"] - before["num_steps"]
-    preemptions = after["num_preemptions"] - before["num_preemptions"]
+    steps = after.num_steps - before.num_steps
+    preemptions = after.num_preemptions - before.num_preemptions
     note = f"{steps} steps, {preemptions} preemptions"
     return SystemRun(f"batchpilot {policy}", len(requests), produced, produced, seconds, note)
 

@@ -16,9 +16,7 @@ def engine_kwargs_from_serve_args(serve_args: list[str]) -> dict:
     add_engine_args(parser)
     args, _ = parser.parse_known_args(serve_args)
     config = config_from_args(args)
-    return {
-        f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "extra"
-    }
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
 def offline_output_tok_s(serve_args: list[str], requests: list[BenchRequest]) -> float:

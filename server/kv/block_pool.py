@@ -1,10 +1,15 @@
 """The GPU-side block pool: ref counts, a free list, and prefix caching.
 
-A full block is keyed by a hash chained over its parent block's hash and its own
-tokens, so equal hashes mean equal prefixes. A block whose ref count drops to zero
-keeps its hash and stays reusable until it is evicted, least recently freed first.
+A full block is keyed by a SHA-256 digest chained over its parent block's digest and its
+own token ids, so equal digests mean equal prefixes unless SHA-256 collides. A hit is
+still checked against the parent digest and tokens stored with the block: a client that
+could craft a colliding key must not get another tenant's KV (vLLM's prefix-cache
+collision advisory). A block whose ref count drops to zero keeps its key and stays
+reusable until it is evicted, least recently freed first.
 """
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 
 
@@ -12,8 +17,11 @@ class NoFreeBlocks(RuntimeError):
     pass
 
 
-def chain_hash(parent: int | None, tokens: list[int]) -> int:
-    return hash((parent, tuple(tokens)))
+def block_digest(parent: bytes | None, tokens: list[int]) -> bytes:
+    """The key of a full block: SHA-256 over the parent's digest and the token ids."""
+    h = hashlib.sha256(parent or b"")
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
 
 
 class BlockPool:
@@ -21,8 +29,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        # What a cached block holds, compared on every hit: (parent digest, token ids).
+        self.block_content: list[tuple[bytes | None, tuple[int, ...]] | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # digest -> block id
         self.free_uncached: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; LRU first
 
@@ -35,15 +45,20 @@ class BlockPool:
             block = self.free_uncached.popleft()
         elif self.evictable:
             block, _ = self.evictable.popitem(last=False)
-            del self.cached[self.block_hash[block]]
-            self.block_hash[block] = None
+            self._uncache(block)
         else:
             raise NoFreeBlocks("no free KV blocks")
         self.ref_counts[block] = 1
         return block
 
-    def lookup(self, block_hash: int) -> int | None:
-        return self.cached.get(block_hash) if self.enable_prefix_caching else None
+    def lookup(self, digest: bytes, parent: bytes | None, tokens: list[int]) -> int | None:
+        """The cached block holding exactly these tokens after this parent, if any."""
+        if not self.enable_prefix_caching:
+            return None
+        block = self.cached.get(digest)
+        if block is None or self.block_content[block] != (parent, tuple(tokens)):
+            return None
+        return block
 
     def acquire(self, block: int) -> None:
         """Share a cached block with one more sequence."""
@@ -62,21 +77,26 @@ class BlockPool:
             else:
                 self.evictable[block] = None
 
-    def register(self, block: int, block_hash: int) -> None:
-        """Mark a full, computed block as reusable for prefixes hashing to block_hash."""
+    def register(self, block: int, digest: bytes, parent: bytes | None, tokens: list[int]) -> None:
+        """Mark a full, computed block as reusable for the prefix that digest names."""
         if not self.enable_prefix_caching or self.block_hash[block] is not None:
             return
-        if block_hash in self.cached:  # same content already cached in another block
+        if digest in self.cached:  # same content (or a collision) already cached elsewhere
             return
-        self.block_hash[block] = block_hash
-        self.cached[block_hash] = block
+        self.block_hash[block] = digest
+        self.block_content[block] = (parent, tuple(tokens))
+        self.cached[digest] = block
 
     def reset_prefix_cache(self) -> None:
         for block in list(self.evictable):
-            del self.cached[self.block_hash[block]]
-            self.block_hash[block] = None
+            self._uncache(block)
             self.free_uncached.append(block)
         self.evictable.clear()
+
+    def _uncache(self, block: int) -> None:
+        del self.cached[self.block_hash[block]]
+        self.block_hash[block] = None
+        self.block_content[block] = None
 
 
 class SwapSpace:

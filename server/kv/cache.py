@@ -31,6 +31,7 @@ class KVCache:
                  kv_cache_dtype: str, device: torch.device):  # fmt: skip
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
         self.model_dtype = model_dtype
         self.dtype = storage_dtype(kv_cache_dtype, model_dtype)
         self.is_fp8 = kv_cache_dtype in FP8_DTYPES

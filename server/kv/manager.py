@@ -2,7 +2,7 @@
 hash registration, freeing and swap mappings. No tensors here; the scheduler decides
 and kv/cache.py copies."""
 
-from batchpilot.server.kv.block_pool import BlockPool, SwapSpace, chain_hash
+from batchpilot.server.kv.block_pool import BlockPool, SwapSpace, block_digest
 from batchpilot.server.sequence import Sequence
 
 
@@ -21,20 +21,23 @@ class KVCacheManager:
         needed = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, needed - len(seq.block_table))
 
-    def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+    def block_tokens(self, seq: Sequence, i: int) -> list[int]:
+        return seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    def match_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
         """Cached blocks covering the longest cached prefix, leaving at least one token
         to compute so the step has a position to sample from."""
-        blocks, hashes, parent = [], [], None
-        bs = self.block_size
-        for i in range((seq.num_tokens - 1) // bs):
-            h = chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
-            block = self.pool.lookup(h)
+        blocks, digests, parent = [], [], None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = self.block_tokens(seq, i)
+            digest = block_digest(parent, tokens)
+            block = self.pool.lookup(digest, parent, tokens)
             if block is None:
                 break
             blocks.append(block)
-            hashes.append(h)
-            parent = h
-        return blocks, hashes
+            digests.append(digest)
+            parent = digest
+        return blocks, digests
 
     def can_admit(self, seq: Sequence, cached_blocks: list[int]) -> bool:
         """Room for all of seq's tokens (admission allocates the whole prompt)."""
@@ -43,7 +46,7 @@ class KVCacheManager:
         revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
         return self.pool.num_free - fresh - revived >= self.watermark_blocks
 
-    def admit(self, seq: Sequence, blocks: list[int], hashes: list[int]) -> None:
+    def admit(self, seq: Sequence, blocks: list[int], hashes: list[bytes]) -> None:
         for b in blocks:
             self.pool.acquire(b)
         seq.block_table = list(blocks)
@@ -58,14 +61,11 @@ class KVCacheManager:
         return True
 
     def register_computed(self, seq: Sequence) -> None:
-        """Hash the blocks that became full and computed in the last step."""
-        bs = self.block_size
-        full = seq.num_computed_tokens // bs
-        for i in range(len(seq.block_hashes), full):
+        """Key the blocks that became full and computed in the last step."""
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
-            seq.block_hashes.append(h)
-            self.pool.register(seq.block_table[i], h)
+            seq.block_hashes.append(block_digest(parent, self.block_tokens(seq, i)))
+            self._register(seq, i)
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so they are evicted before the shared prefix blocks.
@@ -98,9 +98,15 @@ class KVCacheManager:
         self.swap.release(seq.cpu_block_table)
         seq.cpu_block_table = []
         seq.block_table = gpu
-        for b, h in zip(gpu, seq.block_hashes, strict=False):
-            self.pool.register(b, h)
+        for i in range(len(seq.block_hashes)):
+            self._register(seq, i)
         return mapping
+
+    def _register(self, seq: Sequence, i: int) -> None:
+        """Offer seq's block i, whose digest is known, to the prefix cache."""
+        parent = seq.block_hashes[i - 1] if i else None
+        self.pool.register(seq.block_table[i], seq.block_hashes[i], parent,
+                           self.block_tokens(seq, i))  # fmt: skip
 
     def free_swapped(self, seq: Sequence) -> None:
         self.swap.release(seq.cpu_block_table)

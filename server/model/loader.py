@@ -9,11 +9,18 @@ safetensors directory under the batchpilot cache and loaded from there afterward
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from batchpilot.server.config import ConfigError
 from batchpilot.server.model.bundled import bundled_model_path
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+if TYPE_CHECKING:
+    from batchpilot.server.model.llama import LlamaDecoder
+
+LOAD_STAGES = ("loading weights", "building the decoder", "allocating the KV cache")
 
 
 class UnsupportedModelError(ValueError):
@@ -95,3 +102,46 @@ def load_hf_model(model: str | None, dtype):
     check_supported(AutoConfig.from_pretrained(source, local_files_only=True, **kwargs))
     hf_model, tokenizer = _from_pretrained(source, gguf_file, dtype)
     return hf_model.eval(), tokenizer
+
+
+@dataclass
+class LoadedModel:
+    decoder: "LlamaDecoder"
+    tokenizer: object
+    eos_token_ids: set[int]
+    vocab_size: int
+
+
+def load_model(config, dtype, device, stage) -> LoadedModel:
+    """Weights and tokenizer for config.model, checked against the config, as a decoder on
+    device; fills config's model-dependent defaults. stage(name) marks LOAD_STAGES."""
+    from batchpilot.server.model.llama import from_hf
+
+    stage(LOAD_STAGES[0])
+    hf_model, tokenizer = load_hf_model(config.model, dtype)
+    config.resolve(hf_model.config.max_position_embeddings)
+    check_sliding_window(hf_model.config, config.max_model_len)
+    stage(LOAD_STAGES[1])
+    decoder = from_hf(hf_model, config.max_model_len, dtype, device)
+    eos = eos_token_ids(hf_model, tokenizer)
+    return LoadedModel(decoder, tokenizer, eos, hf_model.config.vocab_size)
+
+
+def eos_token_ids(hf_model, tokenizer) -> set[int]:
+    """Every id the model's configs or tokenizer call end-of-sequence."""
+    ids = set()
+    for source in (hf_model.generation_config, hf_model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        ids.update(value if isinstance(value, list) else [value] if value is not None else [])
+    return ids
+
+
+def check_sliding_window(hf_config, max_model_len: int) -> None:
+    """Sliding-window attention is not implemented; within the window it is plain
+    causal attention, so such models run exactly up to the window."""
+    window = getattr(hf_config, "sliding_window", None)
+    if getattr(hf_config, "use_sliding_window", True) and window and max_model_len > window:
+        raise ConfigError(
+            f"this model uses sliding-window attention (window {window}), which batchpilot "
+            f"does not implement: set max_model_len <= {window}"
+        )

@@ -1,41 +1,129 @@
-"""Turns one scheduler decision into one forward pass: the step's tokens are flattened
-(decodes first, then prefill chunks) with per-token positions and slots, and logits
-are computed only where a sequence will sample."""
+"""The model runner: sizes and allocates the KV cache, calibrates FP8 scales, and turns
+one scheduler decision into one forward pass. The step's tokens are flattened (decodes
+first, then prefill chunks) with per-token positions and slots, and logits are computed
+only where a sequence will sample."""
+
+import logging
 
 import torch
 
 from batchpilot.server.attention.metadata import build_metadata
-from batchpilot.server.kv.cache import KVCache
+from batchpilot.server.config import EngineConfig, GiB
+from batchpilot.server.kv.cache import KVCache, bytes_per_block, storage_dtype
+from batchpilot.server.kv.manager import cdiv
 from batchpilot.server.model.llama import LlamaDecoder
 from batchpilot.server.sampler import sample
+from batchpilot.server.sampling_params import SamplingParams
+from batchpilot.server.scheduler import SchedulerOutput
 from batchpilot.server.sequence import Sequence
+
+log = logging.getLogger("batchpilot.engine")
+
+# FP8 scales come from the K/V amax of one prefill over varied text: prose, CJK and code.
+CALIBRATION_TEXT = (
+    "Continuous batching admits new requests at every decode step. 连续批处理在每个解码步"
+    "调度请求。 def f(x):\n    return [i * 2 for i in range(x)]\n"
+)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaDecoder, kv: KVCache, block_size: int, device):
+    def __init__(self, config: EngineConfig, model: LlamaDecoder, device: torch.device):
+        self.config = config
         self.model = model
-        self.kv = kv
-        self.block_size = block_size
         self.device = device
+        self.block_size = config.block_size
+        kv_dtype = storage_dtype(config.kv_cache_dtype, model.lm_head.weight.dtype)
+        self.block_bytes = bytes_per_block(len(model.layers), config.block_size,
+                                           model.num_kv_heads, model.head_dim, kv_dtype)  # fmt: skip
+        self.kv_cache = self._allocate_kv_cache()
+
+    # ---- KV cache --------------------------------------------------------------------
+
+    def _new_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> KVCache:
+        m = self.model
+        return KVCache(len(m.layers), num_blocks, num_cpu_blocks, self.block_size, m.num_kv_heads,
+                       m.head_dim, m.lm_head.weight.dtype, self.config.kv_cache_dtype,
+                       self.device)  # fmt: skip
+
+    def _allocate_kv_cache(self) -> KVCache:
+        cfg = self.config
+        num_blocks = self._kv_budget_bytes() // self.block_bytes
+        needed = cdiv(cfg.max_model_len, cfg.block_size) + 1
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks but one max_model_len "
+                f"({cfg.max_model_len}) sequence needs {needed}: raise kv_cache_memory "
+                "or gpu_memory_utilization, or lower max_model_len"
+            )
+        num_cpu_blocks = cfg.swap_space_bytes // self.block_bytes
+        log.info(
+            "KV cache: %d blocks of %d tokens (%s, %.1f MiB), max concurrency %.2fx at "
+            "max_model_len %d; swap space %d blocks", num_blocks, cfg.block_size,
+            cfg.kv_cache_dtype, num_blocks * self.block_bytes / 2**20,
+            num_blocks / cdiv(cfg.max_model_len, cfg.block_size), cfg.max_model_len,
+            num_cpu_blocks,
+        )  # fmt: skip
+        return self._new_kv_cache(num_blocks, num_cpu_blocks)
+
+    def _kv_budget_bytes(self) -> int:
+        cfg = self.config
+        if cfg.kv_cache_memory_bytes is not None:
+            return cfg.kv_cache_memory_bytes
+        if self.device.type != "cuda":
+            return 1 * GiB
+        total = torch.cuda.mem_get_info(self.device)[1]
+        return max(0, int(total * cfg.gpu_memory_utilization) - self._profile_peak_bytes())
+
+    def _profile_peak_bytes(self) -> int:
+        """Weights plus the activation peak of a full-budget prefill, measured by running it."""
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        blocks = cdiv(n, self.block_size)
+        scratch = self._new_kv_cache(blocks, 0)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._prefill([0] * n, scratch)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - blocks * self.block_bytes
+        del scratch
+        torch.cuda.empty_cache()
+        return peak
+
+    def calibrate_fp8(self, tokenizer) -> None:
+        """Per-layer, per-head FP8 scales from the K/V of one calibration prefill. Its
+        blocks stay free: the scheduler never saw them, so nothing reads them later."""
+        ids = tokenizer(CALIBRATION_TEXT)["input_ids"][: self.config.max_model_len - 1]
+        self.kv_cache.calibrating = True
+        self._prefill(ids, self.kv_cache)
+        self.kv_cache.finish_calibration()
+
+    def _prefill(self, token_ids: list[int], kv: KVCache) -> None:
+        """One whole-prompt forward into blocks 0.. of kv, outside the scheduler."""
+        seq = Sequence("warmup", None, token_ids, SamplingParams(max_tokens=1, temperature=0))
+        seq.block_table = list(range(cdiv(len(token_ids), self.block_size)))
+        self.execute([(seq, len(token_ids))], kv)
+
+    def swap(self, decision: SchedulerOutput) -> None:
+        self.kv_cache.swap_out(decision.swap_out)
+        self.kv_cache.swap_in(decision.swap_in)
+
+    # ---- one step ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> dict[int, int]:
-        """-> {id(seq): sampled token} for the sequences whose uncomputed tokens are
-        all computed this step."""
+    def execute(self, scheduled: list[tuple[Sequence, int]],
+                kv: KVCache | None = None) -> list[int | None]:  # fmt: skip
+        """-> one entry per scheduled sequence, in order: the sampled token where all of
+        the sequence's uncomputed tokens are computed this step, else None."""
         # Decodes first, shortest context first, so attention can bucket them by length.
-        ordered = sorted(
-            scheduled,
-            key=lambda item: (item[1] > 1 or item[0].is_prefill, item[0].num_computed_tokens),
-        )
-        num_decodes = sum(1 for seq, n in ordered if n == 1 and not seq.is_prefill)
+        order = sorted(range(len(scheduled)), key=lambda i: _decode_first(*scheduled[i]))
+        ordered = [scheduled[i] for i in order]
         input_ids, positions, logits_index, samplers = [], [], [], []
-        for seq, n in ordered:
+        for i, (seq, n) in zip(order, ordered, strict=True):
             start = seq.num_computed_tokens
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             if start + n == seq.num_tokens:
                 logits_index.append(len(input_ids) - 1)
-                samplers.append(seq)
+                samplers.append(i)
+        num_decodes = sum(1 for seq, n in ordered if n == 1 and not seq.is_prefill)
         meta = build_metadata(
             [(seq.block_table, seq.num_computed_tokens, n) for seq, n in ordered],
             num_decodes,
@@ -44,8 +132,15 @@ class ModelRunner:
             self.device,
         )
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        logits = self.model(
-            as_tensor(input_ids), as_tensor(positions), self.kv, meta, as_tensor(logits_index)
-        )
-        tokens = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
-        return {id(seq): tok for seq, tok in zip(samplers, tokens, strict=True)}
+        logits = self.model(as_tensor(input_ids), as_tensor(positions), kv or self.kv_cache, meta,
+                            as_tensor(logits_index))  # fmt: skip
+        seqs = [scheduled[i][0] for i in samplers]
+        tokens: list[int | None] = [None] * len(scheduled)
+        for i, token in zip(samplers, sample(logits, [s.params for s in seqs],
+                                             [s.generator for s in seqs]), strict=True):  # fmt: skip
+            tokens[i] = token
+        return tokens
+
+
+def _decode_first(seq: Sequence, n: int) -> tuple[bool, int]:
+    return (n > 1 or seq.is_prefill, seq.num_computed_tokens)

@@ -15,7 +15,7 @@ SERVE_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", "64MiB"]
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    from batchpilot.server.model.tiny import make_tiny_llama
+    from tiny_llama import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
 

@@ -122,4 +122,4 @@ def test_engine_answer_stops_at_eos_like_transformers_and_is_coherent(
     if expected[-1] == tokenizer.eos_token_id:
         assert completion.finish_reason == "stop"
     stats = engine.stats()
-    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks

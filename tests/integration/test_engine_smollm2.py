@@ -62,9 +62,9 @@ def test_greedy_matches_transformers(reference, condition):
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = llm.stats()
     if condition.startswith("preempt"):
-        assert stats["num_preemptions"] > 0
+        assert stats.num_preemptions > 0
     if condition == "prefix_cache_hits":
-        assert stats["prefix_cache_hits"] >= 16 * len(prompts)
+        assert stats.prefix_cache_hits >= 16 * len(prompts)
 
 
 def _agreement(a: list[int], b: list[int]) -> float:
@@ -102,7 +102,7 @@ def test_per_head_fp8_scales_beat_per_layer(reference):
     """Quantization error of real SmolLM2 K/V with per-head vs per-layer scales."""
     prompts, _ = reference
     llm = LLM(None, dtype="float32", max_model_len=512, kv_cache_dtype="fp8")
-    kv = llm.engine.kv_cache
+    kv = llm.engine.runner.kv_cache
     captured = []
     write = kv.write
 

@@ -21,7 +21,7 @@ MAX_MODEL_LEN = 512
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    from batchpilot.server.model.tiny import make_tiny_llama
+    from tiny_llama import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
 

@@ -15,7 +15,7 @@ ADMIN_TOKEN = "drain-admin-7730"
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_zero(tmp_path_factory):
-    from batchpilot.server.model.tiny import make_tiny_llama
+    from tiny_llama import make_tiny_llama
 
     tiny = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
     args = ["--model", tiny, "--served-model-name", "tiny", *TINY_FLAGS, "--api-key", API_KEY,

@@ -13,7 +13,7 @@ from batchpilot.server.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    from batchpilot.server.model.tiny import make_tiny_llama
+    from tiny_llama import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
 
@@ -53,7 +53,7 @@ def test_one_delivery_per_step_for_many_requests(tiny_path):
     stepped = [d for d in deliveries if d.stepped]
     # Exactly one hand-over per engine step, each carrying that step's outputs for every
     # running request: far fewer loop callbacks than tokens.
-    assert len(stepped) == stepped[-1].stats["num_steps"]
+    assert len(stepped) == stepped[-1].stats.num_steps
     assert sum(len(d.outputs) for d in stepped) >= 8 * 12
     assert max(len(d.outputs) for d in stepped) == 8
 
@@ -66,8 +66,8 @@ def test_abort_frees_blocks_before_the_next_step(tiny_path):
         stream = await engine.submit([("long", "a long story", params(400))])
         for _ in range(3):
             await stream.__anext__()
-        steps_at_close = engine.stats["num_steps"]
-        assert engine.stats["num_free_kv_blocks"] < engine.stats["num_kv_blocks"]
+        steps_at_close = engine.stats.num_steps
+        assert engine.stats.num_free_kv_blocks < engine.stats.num_kv_blocks
         stream.close()
         # Runs on the engine thread after it took the abort, before any step that follows.
         stats = await engine.call(lambda e: e.stats())
@@ -75,8 +75,8 @@ def test_abort_frees_blocks_before_the_next_step(tiny_path):
         return steps_at_close, stats
 
     steps_at_close, stats = asyncio.run(run())
-    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert stats.num_running == 0 and stats.num_waiting == 0
     # Step k+1 may be under way when the client leaves; the engine thread applies the abort
     # before it starts step k+2, and the stats call lands in that pass or the next one.
-    assert stats["num_steps"] <= steps_at_close + 2
+    assert stats.num_steps <= steps_at_close + 2

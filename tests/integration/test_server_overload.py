@@ -13,7 +13,7 @@ from batchpilot import names
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from batchpilot.server.model.tiny import make_tiny_llama
+    from tiny_llama import make_tiny_llama
 
     tiny = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
     args = ["--model", tiny, "--served-model-name", "tiny", *TINY_FLAGS,

@@ -14,7 +14,7 @@ FLAGS = ("--dtype", "float32", "--max-model-len", "64", "--kv-cache-memory", "16
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from batchpilot.server.model.tiny import make_tiny_llama
+    from tiny_llama import make_tiny_llama
 
     tiny = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
     proc = ServerProcess(["--model", tiny, *FLAGS], tmp_path_factory.mktemp("s") / "serve.log")

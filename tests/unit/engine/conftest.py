@@ -1,8 +1,8 @@
 import pytest
 import torch
+from tiny_llama import make_tiny_llama
 
 from batchpilot.server.model.loader import load_hf_model
-from batchpilot.server.model.tiny import make_tiny_llama
 
 PROMPTS = [
     "Hello world",

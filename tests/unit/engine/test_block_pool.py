@@ -3,6 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchpilot.server.kv import manager
 from batchpilot.server.kv.block_pool import BlockPool, SwapSpace
 from batchpilot.server.kv.manager import KVCacheManager
 from batchpilot.server.sampling_params import SamplingParams
@@ -97,3 +98,24 @@ def test_prefix_hit_shares_blocks_and_lru_evicts_oldest_freed():
     evicted = pool.allocate()
     assert evicted == blocks[1], "the tail block is freed first, so it is evicted first"
     assert len(pool.cached) == 1
+
+
+def test_forced_digest_collision_never_hits_other_tokens(monkeypatch):
+    """Every block key collides; only blocks with the same tokens after the same parent
+    may be reused."""
+    monkeypatch.setattr(manager, "block_digest", lambda parent, tokens: b"collision")
+    pool = BlockPool(8)
+    kv = KVCacheManager(pool, SwapSpace(0), BLOCK)
+    a = Sequence("a", None, list(range(9)), SamplingParams())
+    kv.admit(a, *kv.match_prefix(a))
+    kv.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    kv.register_computed(a)
+    assert len(pool.cached) == 1  # the second block's key was taken by the first
+    other = Sequence("b", None, [*range(100, 108), 1], SamplingParams())
+    assert kv.match_prefix(other) == ([], [])
+    # The first block of a's prompt followed by a different second block: the second
+    # block's key collides with the cached first block, but its parent and tokens differ.
+    same_start = Sequence("c", None, [0, 1, 2, 3, 0, 1, 2, 3, 7], SamplingParams())
+    blocks, _ = kv.match_prefix(same_start)
+    assert blocks == a.block_table[:1]

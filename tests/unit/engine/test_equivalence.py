@@ -4,6 +4,7 @@ batching, chunked prefill, forced preemption (swap and recompute) and prefix hit
 import pytest
 
 from batchpilot.server import LLM, SamplingParams
+from batchpilot.server.kv import manager
 
 from .conftest import PROMPTS
 
@@ -37,27 +38,44 @@ def test_greedy_matches_transformers(tiny_model, hf_greedy, condition):
         assert out.outputs[0].token_ids == hf_greedy(out.prompt_token_ids, MAX_TOKENS)
         assert out.outputs[0].finish_reason == "length"
     stats = llm.stats()
-    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
     if condition.startswith("preempt"):
-        assert stats["num_preemptions"] > 0
+        assert stats.num_preemptions > 0
     if condition == "preempt_swap":
-        assert stats["num_swaps_out"] > 0 and stats["num_swaps_in"] == stats["num_swaps_out"]
+        assert stats.num_swaps_out > 0 and stats.num_swaps_in == stats.num_swaps_out
     if condition == "preempt_recompute":
-        assert stats["num_swaps_out"] == 0
+        assert stats.num_swaps_out == 0
 
 
 def test_prefix_cache_hits_keep_outputs_identical(tiny_model, hf_greedy):
     shared = "You are a helpful assistant. Answer briefly and precisely. " * 3
     prompts = [shared + q for q in ("What is AI?", "Name a color.", "Count to three.")]
     llm, first = run(tiny_model, prompts[:1])
-    hits_before = llm.stats()["prefix_cache_hits"]
+    hits_before = llm.stats().prefix_cache_hits
     second = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                                   ignore_eos=True), use_tqdm=False)  # fmt: skip
     shared_blocks = len(llm.get_tokenizer()(shared)["input_ids"]) // 16
     assert hits_before == 0
     # The repeated prompt hits all its full blocks but one; the others hit the shared ones.
-    assert llm.stats()["prefix_cache_hits"] >= 16 * (3 * shared_blocks - 1)
+    assert llm.stats().prefix_cache_hits >= 16 * (3 * shared_blocks - 1)
     assert llm.engine.scheduler.counters.num_preemptions == 0
+    assert second[0].num_cached_tokens >= 16 * shared_blocks  # as vLLM reports it
     for out in first + second:
         assert out.outputs[0].token_ids == hf_greedy(out.prompt_token_ids, MAX_TOKENS)
     assert first[0].outputs[0].token_ids == second[0].outputs[0].token_ids
+
+
+def test_forced_prefix_key_collisions_change_no_output(tiny_model, hf_greedy, monkeypatch):
+    """With every block key equal, a hit still needs equal tokens after an equal parent:
+    outputs equal the uncached run token for token."""
+    shared = "You are a helpful assistant. Answer briefly and precisely. " * 3
+    prompts = [shared + "What is AI?", "Something else entirely, " * 6, shared + "Name a color."]
+    _, uncached = run(tiny_model, prompts, enable_prefix_caching=False)
+    monkeypatch.setattr(manager, "block_digest", lambda parent, tokens: b"collision")
+    llm, first = run(tiny_model, prompts[:1])
+    second = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                  ignore_eos=True), use_tqdm=False)  # fmt: skip
+    assert llm.stats().prefix_cache_hits > 0  # the one cached block is reused where it fits
+    for out, expected in zip(first + second, uncached[:1] + uncached, strict=True):
+        assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert out.outputs[0].token_ids == hf_greedy(out.prompt_token_ids, MAX_TOKENS)

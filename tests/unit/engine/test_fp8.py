@@ -13,7 +13,7 @@ def test_fp8_holds_twice_bf16_and_four_times_fp32_blocks(tiny_model):
                       ("bfloat16", "fp8_e5m2")):  # fmt: skip
         llm = LLM(tiny_model, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory_bytes=budget,
                   max_model_len=128, swap_space_bytes=0)  # fmt: skip
-        blocks[dtype, kv] = llm.stats()["num_kv_blocks"]
+        blocks[dtype, kv] = llm.stats().num_kv_blocks
     assert blocks["bfloat16", "auto"] == 2 * blocks["float32", "auto"]
     assert blocks["float32", "fp8"] == 2 * blocks["bfloat16", "auto"]
     assert blocks["bfloat16", "fp8_e5m2"] == 4 * blocks["float32", "auto"]
@@ -48,5 +48,5 @@ def test_fp8_engine_runs_swap_and_prefix_paths(tiny_model):
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
     stats = llm.stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks

@@ -4,10 +4,10 @@ import json
 
 import pytest
 import torch
+from tiny_llama import make_tiny_llama
 
 from batchpilot.server import LLM, SamplingParams
 from batchpilot.server.model.loader import UnsupportedModelError, load_hf_model
-from batchpilot.server.model.tiny import make_tiny_llama
 
 VARIANTS = {
     "qwen2": dict(model_type="qwen2"),  # q/k/v projections carry biases

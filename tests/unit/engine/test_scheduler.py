@@ -63,10 +63,10 @@ def test_every_step_respects_limits_and_every_request_finishes(tiny_model, confi
     for out, p in zip(outs, params, strict=True):
         assert out.finished and len(out.outputs[0].token_ids) == p.max_tokens
     stats = llm.stats()
-    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
-    assert stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"]
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
     if cfg.kv_cache_memory_bytes:
-        assert stats["num_preemptions"] > 0
+        assert stats.num_preemptions > 0
     if cfg.scheduling_policy == "static":
         assert static_batches and max(static_batches) <= cfg.max_num_seqs
 
@@ -92,9 +92,9 @@ def test_abort_frees_blocks_immediately(tiny_model):
     engine = llm.engine
     engine.add_request("a", list(range(1, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
-    assert engine.stats()["num_free_kv_blocks"] < engine.stats()["num_kv_blocks"]
+    assert engine.stats().num_free_kv_blocks < engine.stats().num_kv_blocks
     engine.abort_request("a")
-    assert engine.stats()["num_free_kv_blocks"] == engine.stats()["num_kv_blocks"]
+    assert engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
     (out,) = engine.step()
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert not engine.has_unfinished_requests()
@@ -106,13 +106,13 @@ def test_lowering_max_num_seqs_lets_running_sequences_finish(tiny_model):
     for i in range(6):
         engine.add_request(str(i), [10 + i] * 5, SamplingParams(max_tokens=20, ignore_eos=True))
     engine.step()
-    assert engine.stats()["num_running"] == 4
-    engine.set_max_num_seqs(1)
+    assert engine.stats().num_running == 4
+    engine.config.apply_live_change({"max_num_seqs": 1})
     finished = set()
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 assert out.outputs[0].finish_reason == "length"
                 finished.add(out.request_id)
-        assert engine.stats()["num_running"] <= 4
+        assert engine.stats().num_running <= 4
     assert finished == {str(i) for i in range(6)}

@@ -1,0 +1,57 @@
+"""The output processor: turns sequences that got a token into RequestOutputs. It owns
+each request's text: incremental detokenizing, stop strings, and how much text a client
+has already been sent."""
+
+from dataclasses import dataclass
+
+from batchpilot.server.detokenizer import IncrementalDetokenizer
+from batchpilot.server.outputs import CompletionOutput, RequestOutput
+from batchpilot.server.sequence import Sequence
+from batchpilot.server.stop import StopChecker
+
+
+@dataclass
+class RequestText:
+    detokenizer: IncrementalDetokenizer
+    stop_checker: StopChecker
+    text: str = ""
+    num_sent_chars: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestText] = {}
+
+    def add(self, seq: Sequence) -> None:
+        detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+        self.requests[seq.request_id] = RequestText(
+            detokenizer, StopChecker(seq.params.stop_strings)
+        )
+
+    def find_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Decode each sequence's new token and cut its text at a stop string.
+        -> the sequences whose text hit one: they must finish with reason "stop"."""
+        stopped = []
+        for seq in seqs:
+            if seq.finish_reason == "stop":
+                continue  # a stop token (EOS or stop_token_ids) is not part of the text
+            state = self.requests[seq.request_id]
+            state.text += state.detokenizer.add(seq.token_ids[-1])
+            cut = state.stop_checker.find(state.text)
+            if cut is not None:
+                state.text = state.text[:cut]
+                stopped.append(seq)
+        return stopped
+
+    def output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        """seq's output after this step; the last one for a finished sequence."""
+        finished = seq.is_finished
+        state = self.requests.pop(seq.request_id) if finished else self.requests[seq.request_id]
+        visible = state.text if finished else state.stop_checker.releasable(state.text)
+        delta_text = visible[state.num_sent_chars :]
+        state.num_sent_chars = len(visible)
+        completion = CompletionOutput(0, visible, seq.output_token_ids, delta_text, new_tokens,
+                                      seq.finish_reason if finished else None)  # fmt: skip
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
+                             finished, seq.timings, seq.num_cached_tokens)  # fmt: skip
