@@ -122,6 +122,8 @@ build_image() { # build_image DOCKERFILE TAG WHEELHOUSE [BUILD_ARGS...]
         return 1
     fi
     rm -rf "$ctx"
+    # The multi-stage build's first stage (the full, unpruned venv) stays as a dangling image.
+    docker image prune -f >/dev/null 2>&1 || true
     echo "$name $((SECONDS - s))s $(date -u +%FT%TZ)" >>"$ROOT/build-logs/times.txt"
     log "$tag: $(docker image inspect -f '{{.Size}}' "$tag" | awk '{printf "%.0f MB", $1/1e6}')"
 }

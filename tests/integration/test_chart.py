@@ -90,8 +90,10 @@ def helm(k8s, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     return k8s.run_helm(*args, check=check)
 
 
-def render(k8s, *args: str) -> list[dict]:
-    out = helm(k8s, "template", "bp", str(CHART), "--namespace", "batchpilot-system", *args)
+def render(
+    k8s, *args: str, release: str = "bp", namespace: str = "batchpilot-system"
+) -> list[dict]:
+    out = helm(k8s, "template", release, str(CHART), "--namespace", namespace, *args)
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
@@ -106,31 +108,44 @@ def test_helm_lint_strict(k8s):
 
 
 @pytest.mark.parametrize("values", VALUES_FILES, ids=lambda p: p.stem)
-def test_rendered_manifests_pass_server_side_validation(k8s, values):
-    """Each manifest goes through the API server's own schema check (dry-run, strict field
-    validation). Namespaces the values name are created first; the ServiceMonitor (a
-    prometheus-operator CRD this cluster does not serve) is checked structurally instead."""
-    docs = render(k8s, "-f", str(values))
-    namespaces = {d["metadata"].get("namespace") for d in docs} - {None}
-    for ns in sorted(namespaces):
-        k8s.run_kubectl("create", "namespace", ns, check=False)
+def test_rendered_manifests_pass_server_side_validation(k8s, namespace, values):
+    """Each manifest goes through the API server's own schema check (strict field
+    validation): created for real in a fresh namespace, the test-hook Pod as a dry run once
+    its ServiceAccount exists. The ServiceMonitor (a prometheus-operator CRD this cluster
+    does not serve) is checked structurally instead."""
+    release = f"v-{uuid.uuid4().hex[:6]}"
+    docs = render(k8s, "-f", str(values), release=release, namespace=namespace)
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "ClusterRole", "ClusterRoleBinding"} <= kinds, kinds
-    for doc in docs:
-        if doc["kind"] == "ServiceMonitor":
-            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
-            assert doc["spec"]["endpoints"][0]["port"] == "http"
-            continue
-        out = k8s.run_kubectl(
-            "apply",
-            "--dry-run=server",
-            "--validate=strict",
-            "-f",
-            "-",
-            input=yaml.safe_dump(doc),
-            check=False,
+    for ns in sorted({d["metadata"].get("namespace") for d in docs} - {None, namespace}):
+        k8s.run_kubectl("create", "namespace", ns, check=False)
+    values_doc = yaml.safe_load(values.read_text()) or {}
+    if not values_doc.get("serviceAccount", {}).get("create", True):
+        k8s.run_kubectl(
+            "create", "serviceaccount", values_doc["serviceAccount"]["name"], "-n", namespace
         )
-        assert out.returncode == 0, f"{values.name}: {doc['kind']}: {out.stderr}"
+    created = []
+    try:
+        for doc in sorted(docs, key=lambda d: d["kind"] == "Pod"):
+            if doc["kind"] == "ServiceMonitor":
+                assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+                assert doc["spec"]["endpoints"][0]["port"] == "http"
+                continue
+            dry = ["--dry-run=server"] if doc["kind"] == "Pod" else []
+            out = k8s.run_kubectl(
+                "create", *dry, "--validate=strict", "-f", "-", "-o", "name",
+                input=yaml.safe_dump(doc), check=False,
+            )  # fmt: skip
+            assert out.returncode == 0, f"{values.name}: {doc['kind']}: {out.stderr}"
+            if not dry:
+                created.append(doc)
+    finally:
+        for doc in created:
+            ns = ["-n", doc["metadata"]["namespace"]] if doc["metadata"].get("namespace") else []
+            k8s.run_kubectl(
+                "delete", doc["kind"].lower(), doc["metadata"]["name"], *ns, "--wait=false",
+                check=False,
+            )  # fmt: skip
 
 
 def test_deployment_hardening_and_args(k8s):
