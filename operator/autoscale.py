@@ -33,6 +33,10 @@ from batchpilot.operator.observe import Window
 TOLERANCE = 0.1  # HPA's default: a ratio within 10% of 1 is no reason to move
 KV_USAGE_FLOOR = 0.05  # below this the KV cache says nothing about how many sequences fit
 SATURATED_QUEUE = 1.0  # mean waiting per replica over the window that counts as saturated
+# After a scale-up, further ones wait until the new pods serve (a queue cannot move to a pod
+# that is still loading its model), but not forever: a pod that never gets Ready within
+# this grace does not block the autoscaler.
+STARTUP_GRACE_SECONDS = 600.0
 
 
 def max_step_up(current: int) -> int:
@@ -62,6 +66,7 @@ class ScaleHistory:
 
     recommendations: tuple[Recommendation, ...] = ()
     capacity: float | None = None  # generation tokens/s one replica sustained with a queue
+    last_scale_up: float | None = None
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,17 @@ def decide_replicas(
     # so far: a first burst waits out the up-window like any other.
     recommendations = history.recommendations or (Recommendation(current, now),)
     up_rec, down_rec, kept = stabilize(recommendations, raw, now, spec)
-    if current < up_rec:
+    last_up = history.last_scale_up
+    starting = window is not None and window.replicas < current
+    if (
+        current < up_rec
+        and starting
+        and last_up is not None
+        and now - last_up < STARTUP_GRACE_SECONDS
+    ):
+        target = current
+        reason = f"waiting for {current - window.replicas} starting replicas: {why}"
+    elif current < up_rec:
         target = min(up_rec, current + max_step_up(current))
         reason = f"scale up: {why}"
         if target < up_rec:
@@ -171,4 +186,6 @@ def decide_replicas(
     bounded = min(spec.max_replicas, max(spec.min_replicas, target))
     if bounded != target:
         reason += f"; held within [{spec.min_replicas}, {spec.max_replicas}]"
-    return ScaleDecision(bounded, reason, raw, ScaleHistory(kept, capacity))
+    if bounded > current:
+        last_up = now
+    return ScaleDecision(bounded, reason, raw, ScaleHistory(kept, capacity, last_up))

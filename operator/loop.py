@@ -114,9 +114,19 @@ def scale_history(status: dict) -> ScaleHistory:
         except (KeyError, TypeError, ValueError):
             continue
     capacity = autoscaling.get("capacityTokensPerSecond")
+    last_up = autoscaling.get("lastScaleUpTime")
     return ScaleHistory(
-        tuple(recommendations), float(capacity) if isinstance(capacity, int | float) else None
+        tuple(recommendations),
+        float(capacity) if isinstance(capacity, int | float) else None,
+        _maybe_time(last_up),
     )
+
+
+def _maybe_time(value: object) -> float | None:
+    try:
+        return parse_timestamp(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 
 def autoscaling_status(d: ScaleDecision, now: float) -> dict:
@@ -131,6 +141,8 @@ def autoscaling_status(d: ScaleDecision, now: float) -> dict:
     }
     if d.history.capacity is not None:
         out["capacityTokensPerSecond"] = round(d.history.capacity, 1)
+    if d.history.last_scale_up is not None:
+        out["lastScaleUpTime"] = timestamp(d.history.last_scale_up)
     return out
 
 
@@ -212,8 +224,10 @@ class ClosedLoop:
     async def _tune(self, outcome, key, spec, status, settings, token, urls, now) -> None:
         history = tune_history(status)
         previous = last_change(history)
-        # Judge the setting in force on what ran under it only.
-        window = self.observer.window(key, since=previous.time if previous else None)
+        # Judge the settings in force on what ran under them only.
+        window = self.observer.window(
+            key, since=previous.time if previous else None, kv_cache_dtype=settings.kv_cache_dtype
+        )
         decision = decide_tuning(window, spec.tuning, settings, now, history, self.limits)
         outcome.tuning = decision
         if decision.changes:

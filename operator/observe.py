@@ -401,18 +401,26 @@ class Observer:
             if not samples:
                 del replicas[url]  # gone for a whole window: scaled down or replaced
 
-    def replica_windows(self, service: str, since: float | None = None) -> dict[str, Window]:
-        """Per-replica windows; ``since`` drops samples from before a time (a setting
-        change: what ran before it says nothing about the new setting)."""
+    def replica_windows(
+        self, service: str, since: float | None = None, kv_cache_dtype: str | None = None
+    ) -> dict[str, Window]:
+        """Per-replica windows. ``since`` drops samples from before a time and
+        ``kv_cache_dtype`` replicas that run another KV dtype: after a setting change, what
+        ran before it, or the old pods of a rollout, say nothing about the new setting."""
         out = {}
         for url, samples in self._samples.get(service, {}).items():
             kept = [s for s in samples if since is None or s.time >= since]
-            if kept:
-                out[url] = replica_window(url, kept)
+            if not kept or (
+                kv_cache_dtype and kept[-1].kv_cache_dtype not in (None, kv_cache_dtype)
+            ):
+                continue
+            out[url] = replica_window(url, kept)
         return out
 
-    def window(self, service: str, since: float | None = None) -> Window | None:
-        return merge_windows(list(self.replica_windows(service, since).values()))
+    def window(
+        self, service: str, since: float | None = None, kv_cache_dtype: str | None = None
+    ) -> Window | None:
+        return merge_windows(list(self.replica_windows(service, since, kv_cache_dtype).values()))
 
     def forget(self, service: str) -> None:
         self._samples.pop(service, None)

@@ -61,11 +61,13 @@ SCALE = AutoscalingSpec(
 )
 
 
-def run_scaler(w: Window, current: int, ticks: int, interval=10.0, spec=SCALE, start=0.0):
-    """Feed the same window every interval; apply each decision. Returns the replica counts."""
+def run_scaler(w, current: int, ticks: int, interval=10.0, spec=SCALE, start=0.0):
+    """Feed the same window (or ``w(current)``: a window of that many Ready replicas) every
+    interval; apply each decision. Returns the replica counts."""
     history, counts = ScaleHistory(), []
     for i in range(ticks):
-        d = decide_replicas(w, spec, current, start + i * interval, history)
+        seen = w(current) if callable(w) else w
+        d = decide_replicas(seen, spec, current, start + i * interval, history)
         history, current = d.history, d.replicas
         counts.append(current)
     return counts
@@ -79,11 +81,20 @@ def test_a_queue_over_target_scales_up_after_the_up_window():
 
 
 def test_scale_up_is_bounded_per_decision():
-    flood = window(running=8, waiting=400)
+    def flood(ready: int) -> Window:  # new pods Ready at once, the same total queue
+        return window(replicas=ready, running=8, waiting=400 / ready)
+
     counts = run_scaler(flood, current=1, ticks=12)
     for before, after in itertools.pairwise([1, *counts]):
         assert after - before <= max(2, before)  # +2 or doubling, whichever is more
     assert counts[-1] == 8  # capped at max_replicas
+
+
+def test_further_scale_ups_wait_for_starting_pods_within_a_grace():
+    flood = window(replicas=1, running=8, waiting=400)  # the new pods never get Ready
+    counts = run_scaler(flood, current=1, ticks=130)
+    assert counts[3] == 3 and counts[60] == 3  # held while they start
+    assert counts[-1] > 3  # after STARTUP_GRACE_SECONDS they no longer block
 
 
 def test_scale_down_waits_for_the_down_window():
