@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -286,6 +287,61 @@ def plot(points: list[Measured], run: TunedRun, args, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def simulate(path: Path) -> None:
+    """The docs' scenario (docs/tuning.md): one replica whose KV cache holds ten long
+    sequences, max_num_seqs 48, fp8 allowed, autoscaling on; quiet, then 4x the load for an
+    hour, then back down. The real loop every 15 s, 2.5 hours of simulated time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from batchpilot.operator import sim
+
+    spec = parse_spec(
+        {"engine": {"maxNumSeqs": 48},
+         "autoscaling": {"enabled": True, "maxReplicas": 6},
+         "tuning": {"enabled": True, "allowFP8KVCache": True,
+                    "maxNumSeqs": {"min": 4, "max": 64}, "targetInterTokenLatencySeconds": 0.5}}
+    )  # fmt: skip
+    load = sim.Workload(lambda t: 0.6 if t < 2400 else (2.4 if t < 6000 else 1.0), 2.4)
+    result = sim.ServiceSim(spec, sim.ReplicaConfig(kv_cache_bytes=240 * 368_640)).run(load, 9000)
+    tr = result.trace
+    minutes = [p.time / 60 for p in tr]
+    fig, axes = plt.subplots(4, 1, figsize=(10, 9), sharex=True)
+    axes[0].plot(minutes, [p.offered_per_second for p in tr], label="offered requests/s")
+    queue = axes[0].twinx()
+    queue.plot(minutes, [p.waiting for p in tr], color="C3", lw=0.8, label="queue (waiting)")
+    axes[0].legend(loc="upper left", fontsize=8)
+    queue.legend(loc="upper right", fontsize=8)
+    axes[1].step(minutes, [p.desired_replicas for p in tr], where="post", label="desired")
+    axes[1].step(minutes, [p.ready_replicas for p in tr], where="post", ls="--", label="Ready")
+    axes[1].set_ylabel("replicas")
+    axes[1].legend(loc="upper left", fontsize=8)
+    axes[2].step(minutes, [p.max_num_seqs for p in tr], where="post", color="C2")
+    axes[2].set_ylabel("max_num_seqs")
+    axes[3].step(minutes, [1 if p.kv_cache_dtype.startswith("fp8") else 0 for p in tr],
+                 where="post", color="C4", label="KV fp8 (1) / auto (0)")  # fmt: skip
+    rate = axes[3].twinx()
+    per_min = [0] + [
+        (b.preemptions - a.preemptions) * 60 / (b.time - a.time) for a, b in itertools.pairwise(tr)
+    ]
+    rate.plot(minutes, per_min, color="C3", lw=0.8, label="preemptions/min")
+    axes[3].legend(loc="upper left", fontsize=8)
+    rate.legend(loc="upper right", fontsize=8)
+    axes[3].set_xlabel("simulated minutes")
+    for t, _, _ in result.events:
+        for ax in axes:
+            ax.axvline(t / 60, color="grey", lw=0.4, alpha=0.5)
+    axes[0].set_title(
+        "operator/sim.py: the closed loop on a memory-tight replica under a load step"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    for t, reason, message in result.events:
+        print(f"{t / 60:6.1f} min  {reason}: {message}")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -303,11 +359,16 @@ def parse_args(argv=None):
     p.add_argument("--tuned-seconds", type=float, default=180.0)
     p.add_argument("--thrash-seconds", type=float, default=150.0)
     p.add_argument("--result-dir", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--simulate", type=Path, metavar="PNG",
+                   help="only draw the simulator scenario of docs/tuning.md into PNG")  # fmt: skip
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.simulate:
+        simulate(args.simulate)
+        return 0
     date = time.strftime("%Y%m%d-%H%M%S")
     tmp = Path(tempfile.mkdtemp(prefix="bench-tune-"))  # server logs and load results
     serve = ["--max-model-len", "512", "--admin-token", TOKEN, "--max-num-seqs", str(args.start)]

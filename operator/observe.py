@@ -373,10 +373,13 @@ class Observer:
     def __init__(self, window_seconds: float = DEFAULT_WINDOW_SECONDS):
         self.window_seconds = window_seconds
         self._samples: dict[str, dict[str, deque[Sample]]] = {}
+        self._listed: dict[str, set[str]] = {}  # the replicas the latest round listed
         self.scrape_failures_total = 0
 
     def record(self, service: str, scrapes: Iterable[Scrape], now: float) -> RoundResult:
         replicas = self._samples.setdefault(service, {})
+        scrapes = list(scrapes)
+        self._listed[service] = {s.url for s in scrapes}
         result = RoundResult()
         for scrape in scrapes:
             try:
@@ -408,7 +411,10 @@ class Observer:
         ``kv_cache_dtype`` replicas that run another KV dtype: after a setting change, what
         ran before it, or the old pods of a rollout, say nothing about the new setting."""
         out = {}
+        listed = self._listed.get(service, set())
         for url, samples in self._samples.get(service, {}).items():
+            if url not in listed:
+                continue  # no longer a Ready pod: scaled down, replaced or draining
             kept = [s for s in samples if since is None or s.time >= since]
             if not kept or (
                 kv_cache_dtype and kept[-1].kv_cache_dtype not in (None, kv_cache_dtype)
@@ -424,3 +430,4 @@ class Observer:
 
     def forget(self, service: str) -> None:
         self._samples.pop(service, None)
+        self._listed.pop(service, None)
