@@ -14,8 +14,6 @@ from batchpilot.server.attention.paged import paged_attention
 from batchpilot.server.attention.triton_metadata import TritonMetadata, build_triton_metadata
 from batchpilot.server.kv.cache import FP8_DTYPES
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-
 
 def resolve_backend(name: str, device: torch.device, kv_cache_dtype: str) -> str:
     """auto: triton on CUDA GPUs it supports, torch elsewhere. tl.dot on bf16 needs
@@ -39,7 +37,7 @@ def build_attention_metadata(backend: str, seqs: list[tuple[list[int], int, int]
     """seqs: (block_table, num_computed_tokens, num_new_tokens), decodes first."""
     if backend == "triton":
         return build_triton_metadata(
-            seqs, num_decodes, block_size, num_kv_heads, _num_sms(device), device
+            seqs, num_decodes, block_size, num_kv_heads, num_sms(device), device
         )
     return build_metadata(seqs, num_decodes, block_size, dtype, device)
 
@@ -55,7 +53,8 @@ def attention(q, k, v, kv, layer: int, meta: AttentionMetadata | TritonMetadata,
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors: how many decode programs the device runs at once."""
     if device.type != "cuda":
         return 1  # the interpreter: no parallelism to fill
     return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,7 +1,8 @@
 """The KV tensors, laid out per layer as [kv_heads, slots, head_dim] where
 slot = block * block_size + offset. Head-major blocks are contiguous runs, so one
 index_select over block ids gathers a batch's whole context per head. Optional FP8
-storage with per-layer, per-KV-head scales; block copies to and from CPU swap space."""
+storage with per-layer, per-KV-head scales; block copies to and from pinned CPU swap space
+that do not block the host on CUDA."""
 
 import torch
 
@@ -40,7 +41,9 @@ class KVCache:
         shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
         self.k = torch.zeros(shape, dtype=self.raw_dtype, device=device)
         self.v = torch.zeros(shape, dtype=self.raw_dtype, device=device)
-        cpu_shape = (num_layers, num_kv_heads, num_cpu_blocks * block_size, head_dim)
+        # Block-major, so a swapped block is one contiguous run: one non-blocking copy
+        # each way between the device and pinned memory.
+        cpu_shape = (num_cpu_blocks, num_layers, num_kv_heads, block_size, head_dim)
         pin = device.type == "cuda"
         # Left uninitialised so unused swap space costs no resident memory; swap-out
         # copies whole blocks, so swap-in never reads a byte it did not write.
@@ -102,19 +105,26 @@ class KVCache:
         return cache.view(layers, heads, slots // self.block_size, self.block_size, dim)
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
-        """(device block, cpu block) pairs: device -> CPU swap space."""
+        """(device block, cpu block) pairs: device -> CPU swap space. On CUDA this only
+        queues work on the current stream: the blocks are gathered before the next
+        kernel can reuse them, and a later swap-in, on the same stream, is the only
+        reader of the pinned copies, so nothing waits for the transfer."""
         if not mapping:
             return
         src = torch.tensor([g for g, _ in mapping], device=self.k.device)
-        dst = torch.tensor([c for _, c in mapping])
         for cache, cpu in ((self.k, self.cpu_k), (self.v, self.cpu_v)):
-            self._blocks(cpu)[:, :, dst] = self._blocks(cache)[:, :, src].cpu()
+            gathered = self._blocks(cache)[:, :, src].permute(2, 0, 1, 3, 4).contiguous()
+            for i, (_, c) in enumerate(mapping):
+                cpu[c].copy_(gathered[i], non_blocking=True)
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
-        """(cpu block, device block) pairs: CPU swap space -> device."""
+        """(cpu block, device block) pairs: CPU swap space -> device, queued like swap_out."""
         if not mapping:
             return
-        src = torch.tensor([c for c, _ in mapping])
         dst = torch.tensor([g for _, g in mapping], device=self.k.device)
         for cache, cpu in ((self.k, self.cpu_k), (self.v, self.cpu_v)):
-            self._blocks(cache)[:, :, dst] = self._blocks(cpu)[:, :, src].to(cache.device)
+            staged = torch.empty((len(mapping), *cpu.shape[1:]), dtype=cpu.dtype,
+                                 device=cache.device)  # fmt: skip
+            for i, (c, _) in enumerate(mapping):
+                staged[i].copy_(cpu[c], non_blocking=True)
+            self._blocks(cache)[:, :, dst] = staged.permute(1, 2, 0, 3, 4)

@@ -71,18 +71,18 @@ class DecodeGraphs:
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
-    def replay(self, seqs: list[tuple[list[int], int, int]], input_ids: list[int],
-               positions: list[int]) -> torch.Tensor:  # fmt: skip
-        """seqs: (block_table, num_computed_tokens, 1) of a decode-only step -> logits."""
-        n = len(seqs)
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: TritonMetadata) -> torch.Tensor:  # fmt: skip
+        """A decode-only step's inputs and metadata -> its logits (a view of the graph's
+        output, valid until the next replay)."""
+        n = len(input_ids)
         size = next(s for s in self.sizes if s >= n)
-        bs, width = self.kv.block_size, self.tables.shape[1]
-        slots = [t[p // bs] * bs + p % bs for t, p, _ in seqs]
-        tables = [t[:width] + [0] * (width - len(t[:width])) for t, _, _ in seqs]
-        for buffer, values in ((self.input_ids, input_ids), (self.positions, positions),
-                               (self.slots, slots), (self.tables, tables),
-                               (self.context_lens, [p + 1 for _, p, _ in seqs])):  # fmt: skip
-            buffer[:n].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slots[:n].copy_(meta.slot_mapping)
+        # Columns past this step's widest table keep stale ids: no context reaches them.
+        self.tables[:n, : meta.decode_tables.shape[1]].copy_(meta.decode_tables)
+        self.context_lens[:n].copy_(meta.context_lens)
         self.slots[n:size].fill_(-1)
         self.context_lens[n:size].fill_(1)
         self.graphs[size].replay()

@@ -6,8 +6,8 @@ layer runs four matmuls."""
 import torch
 from torch import nn
 
+from batchpilot.server.attention import attention
 from batchpilot.server.attention.metadata import AttentionMetadata
-from batchpilot.server.attention.paged import paged_attention
 from batchpilot.server.kv.cache import KVCache
 
 
@@ -58,7 +58,7 @@ class DecoderLayer(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        attn = paged_attention(q, k, v, kv, self.index, meta, self.scale)
+        attn = attention(q, k, v, kv, self.index, meta, self.scale)
         x = x + self.o_proj(attn)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(nn.functional.silu(gate).mul_(up))
