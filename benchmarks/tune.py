@@ -160,11 +160,11 @@ def sweep(url: str, args, tmp: Path) -> list[Measured]:
     return points
 
 
-def tuning_spec(start: int, args, lo: int, hi: int):
+def tuning_spec(start: int, args, lo: int, hi: int, itl_target: float):
     return parse_spec(
         {"engine": {"maxNumSeqs": start},
          "tuning": {"enabled": True, "cooldownSeconds": args.cooldown,
-                    "targetInterTokenLatencySeconds": args.itl_target,
+                    "targetInterTokenLatencySeconds": itl_target,
                     "maxNumSeqs": {"min": lo, "max": hi}}}
     )  # fmt: skip
 
@@ -207,7 +207,7 @@ def tuned(url: str, args, tmp: Path) -> TunedRun:
     set_max_num_seqs(url, args.start)
     load = start_load(url, args, tmp, args.output_lens)
     try:
-        spec = tuning_spec(args.start, args, min(args.values), max(args.values))
+        spec = tuning_spec(args.start, args, min(args.values), max(args.values), args.itl_target)
         return asyncio.run(tuned_run(url, spec, args.start, args.tuned_seconds, args))
     finally:
         stop_load(load, url)
@@ -219,7 +219,8 @@ def thrash(args, tmp: Path) -> TunedRun:
     with running_server(serve, tmp / "thrash-serve.log") as url:
         load = start_load(url, argparse.Namespace(**{**vars(args), "concurrency": 16}), tmp, "200")
         try:
-            spec = tuning_spec(16, args, 1, 16)
+            # Memory is the question here, not latency: a target no step misses.
+            spec = tuning_spec(16, args, 1, 16, itl_target=60.0)
             return asyncio.run(tuned_run(url, spec, 16, args.thrash_seconds, args))
         finally:
             stop_load(load, url)
