@@ -142,8 +142,10 @@ def stabilize(
     latest = {r.replicas: r.time for r in history if r.time >= now - keep}
     latest[raw] = now
     new_history = tuple(Recommendation(n, t) for n, t in sorted(latest.items()))
-    up = [r.replicas for r in new_history if r.time > now - spec.scale_up_stabilization_seconds]
-    down = [r.replicas for r in new_history if r.time > now - spec.scale_down_stabilization_seconds]
+    up_cut = now - spec.scale_up_stabilization_seconds
+    down_cut = now - spec.scale_down_stabilization_seconds
+    up = [raw, *(r.replicas for r in new_history if r.time > up_cut)]
+    down = [raw, *(r.replicas for r in new_history if r.time > down_cut)]
     return min(up), max(down), new_history
 
 

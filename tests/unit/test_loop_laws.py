@@ -105,6 +105,14 @@ def test_scale_down_waits_for_the_down_window():
     assert counts[-1] < 4
 
 
+def test_zero_stabilization_windows_act_on_the_latest_recommendation():
+    spec = SCALE.model_copy(
+        update={"scale_up_stabilization_seconds": 0, "scale_down_stabilization_seconds": 0}
+    )
+    assert run_scaler(window(running=8, waiting=20), 1, ticks=1, spec=spec) == [3]
+    assert run_scaler(window(replicas=4, running=1), 4, ticks=1, spec=spec) == [2]
+
+
 def test_within_tolerance_holds():
     w = window(replicas=2, running=8, waiting=4.2)  # 12.2 per replica against 12
     assert run_scaler(w, current=2, ticks=40) == [2] * 40
