@@ -9,8 +9,8 @@
    bandwidth and its share of the copy bandwidth, and the time of the torch reference.
 3. End-to-end engine throughput (output tokens/s) on the bundled SmolLM2-135M and on a
    random Llama-shaped ~1.1B model built here from a config (no download), at several
-   batch sizes, torch attention against Triton attention; plus how many greedy sequences
-   the two backends agree on.
+   batch sizes: torch attention, Triton attention, and Triton with decode steps replayed
+   from CUDA graphs; plus whether each agrees with torch on the greedy tokens.
 4. Perplexity with fp8 KV against bf16 KV on the bundled model, through the quality
    benchmark (server/bench/quality.py).
 
@@ -28,15 +28,12 @@ from pathlib import Path
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
-ONE_B = dict(
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_hidden_layers=22,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=64,
-    initializer_range=0.02,
-)  # fmt: skip  (TinyLlama-1.1B's shape)
+# TinyLlama-1.1B's shape, with the bundled model's tokenizer.
+ONE_B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+             num_attention_heads=32, num_key_value_heads=4, head_dim=64)  # fmt: skip
+# (label, attention_backend, cuda_graphs) of each engine run.
+ENGINE_VARIANTS = (("torch", "torch", False), ("triton", "triton", False),
+                   ("triton+graphs", "triton", True))  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -267,32 +264,54 @@ def _clone_cache(kv):
 
 
 def engine_rows(args) -> list[dict]:
-    from batchpilot.server.model.tiny import make_tiny_llama
-
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, model in (("SmolLM2-135M", None),
-                             ("random 1.1B", lambda: make_tiny_llama(tmp, **ONE_B))):  # fmt: skip
+                             ("random 1.1B", lambda: random_llama(Path(tmp)))):  # fmt: skip
             path = model() if callable(model) else model
-            tokens = {"torch": [], "triton": []}  # greedy ids per batch size
-            for backend in tokens:
-                for row, ids in throughput(path, backend, args):
-                    rows.append({"section": "engine", "model": label, **row})
-                    tokens[backend].append(ids)
-            same = sum(_agreement(a, b) for a, b in zip(tokens["torch"], tokens["triton"],
-                                                         strict=True))  # fmt: skip
-            rows.append({"section": "engine", "model": label, "case": "greedy, first 16 tokens",
-                         "check": f"{same}/{len(tokens['torch'])} batches agree"})  # fmt: skip
+            tokens = {}  # variant -> greedy ids per batch size
+            for variant, backend, graphs in ENGINE_VARIANTS:
+                tokens[variant] = []
+                for row, ids in throughput(path, backend, graphs, args):
+                    rows.append({"section": "engine", "model": label, "backend": variant, **row})
+                    tokens[variant].append(ids)
+            for variant in tokens:
+                same = sum(_agreement(a, b) for a, b in zip(tokens["torch"], tokens[variant],
+                                                             strict=True))  # fmt: skip
+                rows.append({"section": "engine", "model": label, "backend": variant,
+                             "case": "greedy vs torch, first 16 tokens",
+                             "check": f"{same}/{len(args.batch_sizes)} batches agree"})  # fmt: skip
     return rows
 
 
-def throughput(model, backend: str, args):
+def random_llama(path: Path) -> str:
+    """A random-weight Llama of ONE_B's shape with the bundled tokenizer, saved in bf16."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from batchpilot.server.model.loader import resolve_source
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_source(None)[0], local_files_only=True)
+    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=2048,
+                         bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, **ONE_B)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # random init on the GPU takes a second, not a minute
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+    return str(path)
+
+
+def throughput(model, backend: str, cuda_graphs: bool, args):
     """Yields (row, greedy token ids) per batch size, from one engine."""
     import torch
 
     from batchpilot.server import LLM, SamplingParams
 
-    llm = LLM(model, dtype="bfloat16", attention_backend=backend,
+    llm = LLM(model, dtype="bfloat16", attention_backend=backend, cuda_graphs=cuda_graphs,
               max_num_seqs=max(args.batch_sizes), gpu_memory_utilization=0.6,
               max_model_len=args.prompt_len + args.output_len + 1,
               enable_prefix_caching=False)  # fmt: skip
@@ -310,7 +329,7 @@ def throughput(model, backend: str, args):
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         generated = sum(len(o.outputs[0].token_ids) for o in outs)
-        row = {"backend": backend, "case": f"batch {batch_size}", "tok_s": generated / seconds,
+        row = {"case": f"batch {batch_size}", "tok_s": generated / seconds,
                "ms_per_step": 1e3 * seconds / args.output_len}  # fmt: skip
         yield row, [o.outputs[0].token_ids for o in outs]
     del llm
