@@ -34,7 +34,7 @@ from batchpilot.operator.autoscale import (
     decide_replicas,
 )
 from batchpilot.operator.crd import InferenceServiceSpec
-from batchpilot.operator.observe import MetricsSource, Observer
+from batchpilot.operator.observe import MetricsSource, Observer, Window
 from batchpilot.operator.tune import (
     HISTORY_LENGTH,
     EngineSettings,
@@ -211,7 +211,15 @@ class ClosedLoop:
             await self._tune(outcome, key, spec, status, settings, admin_token, answered, now)
         return outcome
 
-    def _autoscale(self, outcome, window, spec, status, replicas, now) -> None:
+    def _autoscale(
+        self,
+        outcome: LoopOutcome,
+        window: Window | None,
+        spec: InferenceServiceSpec,
+        status: dict,
+        replicas: int,
+        now: float,
+    ) -> None:
         decision = decide_replicas(window, spec.autoscaling, replicas, now, scale_history(status))
         outcome.desired_replicas = decision.replicas
         outcome.status_patch["autoscaling"] = autoscaling_status(decision, now)
@@ -221,7 +229,17 @@ class ClosedLoop:
                 (reason, f"replicas {replicas} -> {decision.replicas}: {decision.reason}")
             )
 
-    async def _tune(self, outcome, key, spec, status, settings, token, urls, now) -> None:
+    async def _tune(
+        self,
+        outcome: LoopOutcome,
+        key: str,
+        spec: InferenceServiceSpec,
+        status: dict,
+        settings: EngineSettings,
+        token: str,
+        urls: list[str],
+        now: float,
+    ) -> None:
         history = tune_history(status)
         previous = last_change(history)
         # Judge the settings in force on what ran under them only.
@@ -236,7 +254,9 @@ class ClosedLoop:
         outcome.status_patch["tuning"] = tuning_status(decision, history, now)
         await self._apply(outcome, key, decision, token, urls)
 
-    async def _apply(self, outcome, key, decision: TuneDecision, token, urls) -> None:
+    async def _apply(
+        self, outcome: LoopOutcome, key: str, decision: TuneDecision, token: str, urls: list[str]
+    ) -> None:
         """Put max_num_seqs in force on every replica that answered and runs another value:
         all of them after a raise or lower, a stray one (a pod started before the last
         change reached the template) otherwise."""
