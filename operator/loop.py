@@ -176,6 +176,10 @@ class ClosedLoop:
         self.observer = observer or Observer()
         self.limits = limits
 
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop a deleted service's samples (the kopf side calls it on deletion)."""
+        self.observer.forget(f"{namespace}/{name}")
+
     async def run_once(
         self,
         namespace: str,

@@ -21,6 +21,7 @@ from batchpilot.operator.observe import (
     histogram_quantile,
     increase,
     parse_metrics,
+    ready_pod_urls,
 )
 from batchpilot.server.api import metrics as server_metrics
 
@@ -205,3 +206,31 @@ def unused_port() -> int:
     from batchpilot.server.bench.server_process import free_port
 
     return free_port()
+
+
+def test_ready_pods_with_an_ip_are_scraped_on_the_server_port():
+    from kubernetes.client import V1ObjectMeta, V1Pod, V1PodCondition, V1PodStatus
+
+    def pod(name, ip, ready="True", deleting=False):
+        return V1Pod(
+            metadata=V1ObjectMeta(
+                name=name, deletion_timestamp="2026-01-01T00:00:00Z" if deleting else None
+            ),
+            status=V1PodStatus(pod_ip=ip, conditions=[V1PodCondition(type="Ready", status=ready)]),
+        )
+
+    pods = [
+        pod("a", "10.0.0.2"),
+        pod("b", "10.0.0.3", ready="False"),
+        pod("c", None),
+        pod("d", "10.0.0.4", deleting=True),
+        pod("e", "fd00::5"),
+    ]
+    assert ready_pod_urls(pods, 8000) == ["http://10.0.0.2:8000", "http://[fd00::5]:8000"]
+
+
+def test_forget_drops_a_service():
+    observer = Observer()
+    observer.record("ns/a", [Scrape("http://r0", text=FakeServer().text())], now=0.0)
+    observer.forget("ns/a")
+    assert observer.window("ns/a") is None
