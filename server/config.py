@@ -61,16 +61,15 @@ class EngineConfig:
                                 "CPU, or recompute it later", choices=names.PREEMPTION_MODES)  # fmt: skip
     enable_chunked_prefill: bool = knob(True, "split long prompts over steps")
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of shared prompt prefixes")
-    attention_backend: str = knob("auto", "auto: Triton kernels on CUDA GPUs that support "
-                                  "them (sm80+), else the torch reference; torch forces the "
-                                  "reference", choices=("auto", "torch", "triton"))  # fmt: skip
-    cuda_graphs: bool = knob(False, "replay decode-only steps from CUDA graphs captured at "
-                             "bucketed batch sizes (CUDA with Triton attention)")  # fmt: skip
     # "static" admits a whole batch only when the previous one has finished: it exists
     # so benchmarks can compare against static batching inside the same engine.
     scheduling_policy: str = knob("continuous", "continuous, or static batching for comparison",
                                   choices=names.SCHEDULING_POLICIES)  # fmt: skip
     seed: int = knob(0, "seeds the per-request seeds of requests that bring none")
+    logprobs_mode: str = knob("raw_logprobs", "what logprobs report: the raw model's "
+                              "distribution, or the one each token was drawn from (after "
+                              "logit_bias, penalties, temperature, min_p, top-k/top-p)",
+                              choices=("raw_logprobs", "processed_logprobs"))  # fmt: skip
     served_model_name: str | None = knob(
         None, f"name clients use (default: {names.DEFAULT_SERVED_MODEL_NAME} for the bundled "
         "model, else the model path's last component)"

@@ -16,7 +16,7 @@ from batchpilot.server.device import resolve_device, resolve_dtype
 from batchpilot.server.kv.block_pool import BlockPool, SwapSpace
 from batchpilot.server.kv.manager import KVCacheManager, cdiv
 from batchpilot.server.model.loader import LOAD_STAGES, load_model
-from batchpilot.server.model.runner import ModelRunner
+from batchpilot.server.model.runner import ModelRunner, ModelRunnerOutput
 from batchpilot.server.output_processor import OutputProcessor
 from batchpilot.server.outputs import RequestOutput
 from batchpilot.server.sampling_params import SamplingParams
@@ -47,7 +47,8 @@ class LLMEngine:
         kv = self.runner.kv_cache
         pool = BlockPool(kv.num_blocks, config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(pool, SwapSpace(kv.num_cpu_blocks), config.block_size)
-        self.scheduler = Scheduler(config, self.kv_manager, loaded.eos_token_ids)
+        self.eos_token_ids = loaded.eos_token_ids
+        self.scheduler = Scheduler(config, self.kv_manager, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []  # returned by the next step
@@ -60,6 +61,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer(prompt)["input_ids"] if text is not None else list(prompt)
         self._check_fits(ids, params)
+        params.update_from_eos(self.eos_token_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         generator = torch.Generator(self.device).manual_seed(seed)
         seq = Sequence(request_id, text, ids, params, arrival_time, generator)
@@ -73,6 +75,8 @@ class LLMEngine:
             raise RequestRejected("the prompt is empty")
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in params.logit_bias or ()):
+            raise RequestRejected(f"logit_bias token ids must be in [0, {self.vocab_size})")
         if len(ids) > limit:
             raise RequestRejected(
                 f"This model's maximum context length is {limit} tokens. However, your request "
@@ -108,8 +112,9 @@ class LLMEngine:
         self.runner.swap(decision)
         if not decision.scheduled:
             return outputs
-        tokens = self.runner.execute(decision.scheduled)
-        appended = self.scheduler.postprocess(decision.scheduled, tokens)
+        ran = self.runner.execute(decision.scheduled)
+        _record_logprobs(decision.scheduled, ran)
+        appended = self.scheduler.postprocess(decision.scheduled, ran.sampled_token_ids)
         for seq in self.output_processor.find_stop_strings(appended):
             self.scheduler.finish(seq, "stop")
         for seq in appended:
@@ -120,3 +125,11 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return engine_stats(self.scheduler, self.config)
+
+
+def _record_logprobs(scheduled: list[tuple[Sequence, int]], ran: ModelRunnerOutput) -> None:
+    for (seq, _), prompt_logprobs, logprobs in zip(scheduled, ran.prompt_logprobs, ran.logprobs,
+                                                   strict=True):  # fmt: skip
+        seq.prompt_logprobs.extend(prompt_logprobs)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)

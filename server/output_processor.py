@@ -38,9 +38,12 @@ class OutputProcessor:
                 continue  # a stop token (EOS or stop_token_ids) is not part of the text
             state = self.requests[seq.request_id]
             state.text += state.detokenizer.add(seq.token_ids[-1])
-            cut = state.stop_checker.find(state.text)
-            if cut is not None:
-                state.text = state.text[:cut]
+            if seq.num_output_tokens <= seq.params.min_tokens:
+                continue  # vLLM checks stop strings only past min_tokens
+            hit = state.stop_checker.find(state.text)
+            if hit is not None:
+                state.text = state.text[: hit[0]]
+                seq.stop_reason = hit[1]
                 stopped.append(seq)
         return stopped
 
@@ -51,7 +54,13 @@ class OutputProcessor:
         visible = state.text if finished else state.stop_checker.releasable(state.text)
         delta_text = visible[state.num_sent_chars :]
         state.num_sent_chars = len(visible)
-        completion = CompletionOutput(0, visible, seq.output_token_ids, delta_text, new_tokens,
-                                      seq.finish_reason if finished else None)  # fmt: skip
+        params = seq.params
+        completion = CompletionOutput(
+            0, visible, seq.output_token_ids, delta_text, new_tokens,
+            seq.finish_reason if finished else None, seq.stop_reason if finished else None,
+            seq.logprobs if params.logprobs is not None else None,
+        )  # fmt: skip
+        prompt_logprobs = seq.prompt_logprobs if params.prompt_logprobs is not None else None
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
-                             finished, seq.timings, seq.num_cached_tokens)  # fmt: skip
+                             finished, seq.timings, seq.num_cached_tokens,
+                             prompt_logprobs=prompt_logprobs)  # fmt: skip

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from batchpilot.server.logprobs import PromptLogprobs, SampleLogprobs
 from batchpilot.server.sequence import Timings
 
 
@@ -13,6 +14,8 @@ class CompletionOutput:
     delta_text: str
     delta_token_ids: list[int]
     finish_reason: str | None
+    stop_reason: int | str | None = None  # the stop token id or stop string, as vLLM's
+    logprobs: SampleLogprobs | None = None  # one per token of token_ids, when asked for
 
 
 @dataclass
@@ -24,3 +27,4 @@ class RequestOutput:
     finished: bool
     metrics: Timings
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # one per prompt token, the first None

@@ -1,9 +1,32 @@
-"""Batched sampling: greedy, temperature, top-k and top-p. Each seeded request draws
-from its own generator, so its output does not depend on what else is in the batch."""
+"""Batched sampling in vLLM's order. The logprobs a request asked for are taken first,
+from the raw logits (vLLM's default logprobs_mode, "raw_logprobs"); then the logits
+processors that can change a greedy choice (min_tokens, logit_bias, penalties) apply to
+every row, greedy rows take the argmax, and the others go through temperature, min_p,
+top-k and top-p before a draw. Each seeded request draws from its own generator, so its
+output does not depend on what else is in the batch.
+
+logprobs_mode "processed_logprobs" reports the distribution actually sampled from
+instead: after the processors, and for non-greedy rows after temperature, min_p, top-k
+and top-p, as vLLM's mode of that name does."""
+
+from dataclasses import dataclass
 
 import torch
 
-from batchpilot.server.sampling_params import SamplingParams
+from batchpilot.server.logprobs import PositionLogprobs, compute_logprobs, gather_logprobs
+from batchpilot.server.penalties import (
+    apply_logit_bias,
+    apply_min_p,
+    apply_min_tokens,
+    apply_penalties,
+)
+from batchpilot.server.sequence import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]  # per row; None where not asked for
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
@@ -19,28 +42,66 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
-) -> list[int]:
-    """logits: [rows, vocab] float32 -> one token id per row."""
+def sample(logits: torch.Tensor, seqs: list[Sequence],
+           logprobs_mode: str = "raw_logprobs") -> SamplerOutput:  # fmt: skip
+    """logits: [rows, vocab] float32, one row per sequence that samples this step."""
+    params = [s.params for s in seqs]
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    raw = compute_logprobs(logits[wanted]) if wanted and logprobs_mode == "raw_logprobs" else None
+    _apply_processors(logits, seqs)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        sub = logits[rows]
-        device = logits.device
-        temps = torch.tensor([params[i].temperature for i in rows], device=device)
-        top_k = torch.tensor([params[i].top_k for i in rows], device=device)
-        top_p = torch.tensor([params[i].top_p for i in rows], device=device)
-        sub = sub / temps[:, None]
-        if (top_k > 0).any() or (top_p < 1.0).any():
-            sub = _filter_top_k_top_p(sub, top_k, top_p)
-        probs = sub.softmax(dim=-1)
-        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
-        noise = torch.stack(
-            [
-                torch.empty(probs.shape[-1], device=device).exponential_(generator=generators[i])
-                for i in rows
-            ]
+        sub = _sampling_distribution(logits[rows], [params[i] for i in rows])
+        tokens[rows] = _draw(sub.softmax(dim=-1), [seqs[i].generator for i in rows])
+        logits[rows] = sub
+    if not wanted:
+        return SamplerOutput(tokens.tolist(), [None] * len(seqs))
+    source = raw if raw is not None else compute_logprobs(logits[wanted])
+    gathered = gather_logprobs(source, tokens[wanted], [params[i].logprobs for i in wanted])
+    logprobs: list[PositionLogprobs | None] = [None] * len(seqs)
+    for i, position in zip(wanted, gathered, strict=True):
+        logprobs[i] = position
+    return SamplerOutput(tokens.tolist(), logprobs)
+
+
+def _apply_processors(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """The argmax-changing processors, in place: min_tokens, logit_bias, penalties."""
+    params = [s.params for s in seqs]
+    apply_min_tokens(logits, [p.all_stop_token_ids if s.num_output_tokens < p.min_tokens
+                              else () for s, p in zip(seqs, params, strict=True)])  # fmt: skip
+    apply_logit_bias(logits, [p.logit_bias for p in params])
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if rows:
+        apply_penalties(
+            logits,
+            rows,
+            [seqs[i].prompt_token_ids for i in rows],
+            [seqs[i].output_token_ids for i in rows],
+            [params[i].presence_penalty for i in rows],
+            [params[i].frequency_penalty for i in rows],
+            [params[i].repetition_penalty for i in rows],
         )
-        tokens[rows] = (probs / noise).argmax(dim=-1)
-    return tokens.tolist()
+
+
+def _sampling_distribution(logits: torch.Tensor, params) -> torch.Tensor:
+    """Temperature, then min_p, then top-k and top-p: the logits a row draws from."""
+    device = logits.device
+    column = lambda name: torch.tensor([getattr(p, name) for p in params], device=device)  # noqa: E731
+    logits = logits / column("temperature")[:, None]
+    min_p = column("min_p")
+    if (min_p > 0).any():
+        logits = apply_min_p(logits, min_p)
+    top_k, top_p = column("top_k"), column("top_p")
+    if (top_k > 0).any() or (top_p < 1.0).any():
+        logits = _filter_top_k_top_p(logits, top_k, top_p)
+    return logits
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
+    noise = torch.stack(
+        [torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g)
+         for g in generators]
+    )  # fmt: skip
+    return (probs / noise).argmax(dim=-1)

@@ -127,9 +127,12 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
-        if (
-            token in self.eos_token_ids and not params.ignore_eos
-        ) or token in params.stop_token_ids:
+        if seq.num_output_tokens < params.min_tokens:
+            return None  # min_tokens <= max_tokens, so length cannot be due yet either
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop"
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
             return "stop"
         if (
             seq.num_output_tokens >= params.max_tokens
@@ -206,7 +209,10 @@ class Scheduler:
             if budget <= 0 and not static:
                 break
             seq = self.waiting[0]
-            blocks, hashes = self.kv.match_prefix(seq)
+            # As in vLLM, a request for prompt logprobs computes its whole prompt: a
+            # cached block has KV but no logits.
+            wants_logits = seq.params.prompt_logprobs is not None
+            blocks, hashes = ([], []) if wants_logits else self.kv.match_prefix(seq)
             cached_tokens = len(blocks) * self.kv.block_size
             remaining = seq.num_tokens - cached_tokens
             n = min(remaining, budget)

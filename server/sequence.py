@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from batchpilot.server.logprobs import PromptLogprobs, SampleLogprobs
 from batchpilot.server.sampling_params import SamplingParams
 
 
@@ -44,6 +45,11 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)  # prompt then output
         self.status = Status.WAITING
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or string that ended it
+        self.logprobs: SampleLogprobs = []  # one per output token, when params.logprobs is set
+        # One per prompt token scored so far, when params.prompt_logprobs is set; nothing
+        # predicts the first token, hence its None.
+        self.prompt_logprobs: PromptLogprobs = [None]
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained digests of the full blocks computed
         self.num_computed_tokens = 0  # tokens whose KV is in the cache

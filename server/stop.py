@@ -9,13 +9,14 @@ class StopChecker:
         self.longest = max((len(s) for s in stops), default=0)
         self.checked = 0  # text before this offset held no stop string
 
-    def find(self, text: str) -> int | None:
-        """Where text must be cut (the earliest stop string's start), or None."""
+    def find(self, text: str) -> tuple[int, str] | None:
+        """(where text must be cut, the stop string found there) for the earliest stop
+        string, or None."""
         if not self.stops:
             return None
         start = max(0, self.checked - self.longest + 1)
         self.checked = len(text)
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        hits = [(i, stop) for stop in self.stops if (i := text.find(stop, start)) >= 0]
         return min(hits) if hits else None
 
     def releasable(self, text: str) -> str:

@@ -1,18 +1,18 @@
 """The model runner: sizes and allocates the KV cache, calibrates FP8 scales, and turns
 one scheduler decision into one forward pass. The step's tokens are flattened (decodes
 first, then prefill chunks) with per-token positions and slots, and logits are computed
-only where a sequence will sample."""
+only where a sequence will sample or scores a prompt token."""
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from batchpilot.server.attention import build_attention_metadata, num_sms, resolve_backend
-from batchpilot.server.attention.triton_metadata import TritonMetadata
+from batchpilot.server.attention.metadata import build_metadata
 from batchpilot.server.config import EngineConfig, GiB
 from batchpilot.server.kv.cache import KVCache, bytes_per_block, storage_dtype
 from batchpilot.server.kv.manager import cdiv
-from batchpilot.server.model.cuda_graphs import DecodeGraphs
+from batchpilot.server.logprobs import PositionLogprobs, compute_logprobs, gather_logprobs
 from batchpilot.server.model.llama import LlamaDecoder
 from batchpilot.server.sampler import sample
 from batchpilot.server.sampling_params import SamplingParams
@@ -28,16 +28,25 @@ CALIBRATION_TEXT = (
 )
 
 
+@dataclass
+class ModelRunnerOutput:
+    """One entry per scheduled sequence, in the scheduler's order."""
+
+    sampled_token_ids: list[int | None]  # None: mid-prefill, nothing sampled
+    logprobs: list[PositionLogprobs | None]  # the sampled token's, when asked for
+    prompt_logprobs: list[list[PositionLogprobs]]  # for the prompt tokens this step scored
+
+    @classmethod
+    def empty(cls, n: int) -> "ModelRunnerOutput":
+        return cls([None] * n, [None] * n, [[] for _ in range(n)])
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: LlamaDecoder, device: torch.device):
         self.config = config
         self.model = model
         self.device = device
         self.block_size = config.block_size
-        self.attention_backend = resolve_backend(
-            config.attention_backend, device, config.kv_cache_dtype
-        )
-        self.graphs: DecodeGraphs | None = None  # captured at the first decode-only step
         kv_dtype = storage_dtype(config.kv_cache_dtype, model.lm_head.weight.dtype)
         self.block_bytes = bytes_per_block(len(model.layers), config.block_size,
                                            model.num_kv_heads, model.head_dim, kv_dtype)  # fmt: skip
@@ -77,10 +86,8 @@ class ModelRunner:
             return cfg.kv_cache_memory_bytes
         if self.device.type != "cuda":
             return 1 * GiB
-        peak = self._profile_peak_bytes()
-        free, total = torch.cuda.mem_get_info(self.device)
-        outside_torch = total - free - torch.cuda.memory_reserved(self.device)
-        return kv_budget_bytes(total, cfg.gpu_memory_utilization, peak, outside_torch)
+        total = torch.cuda.mem_get_info(self.device)[1]
+        return max(0, int(total * cfg.gpu_memory_utilization) - self._profile_peak_bytes())
 
     def _profile_peak_bytes(self) -> int:
         """Weights plus the activation peak of a full-budget prefill, measured by running it."""
@@ -115,66 +122,69 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------
 
-    def _forward(self, input_ids, positions, kv: KVCache, meta, logits_index) -> torch.Tensor:
-        """The model's forward, replayed from a CUDA graph for a decode-only step when
-        cuda_graphs is on (graphs are captured here, at the first such step, after fp8
-        calibration; steps outside the profile and calibration runs use self.kv_cache)."""
-        decode_only = (isinstance(meta, TritonMetadata) and kv is self.kv_cache
-                       and meta.num_decodes == len(input_ids) == len(logits_index))  # fmt: skip
-        if not (self.config.cuda_graphs and decode_only and not kv.calibrating):
-            return self.model(input_ids, positions, kv, meta, logits_index)
-        if self.graphs is None:
-            log.info("capturing CUDA graphs for decode steps of up to %d sequences",
-                     self.config.max_num_seqs)  # fmt: skip
-            self.graphs = DecodeGraphs(self.model, kv, self.config.max_num_seqs,
-                                       self.config.max_model_len, num_sms(self.device),
-                                       self.device)  # fmt: skip
-        if not self.graphs.fits(len(input_ids)):  # max_num_seqs raised live past the capture
-            return self.model(input_ids, positions, kv, meta, logits_index)
-        return self.graphs.replay(input_ids, positions, meta)
-
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]],
-                kv: KVCache | None = None) -> list[int | None]:  # fmt: skip
-        """-> one entry per scheduled sequence, in order: the sampled token where all of
-        the sequence's uncomputed tokens are computed this step, else None."""
+                kv: KVCache | None = None) -> ModelRunnerOutput:  # fmt: skip
+        """One forward pass over the scheduled chunks. Logits are computed where a
+        sequence samples (all of its uncomputed tokens are computed this step) and where a
+        prompt token's logprob was asked for; both come from this one forward."""
         # Decodes first, shortest context first, so attention can bucket them by length.
         order = sorted(range(len(scheduled)), key=lambda i: _decode_first(*scheduled[i]))
         ordered = [scheduled[i] for i in order]
         input_ids, positions, logits_index, samplers = [], [], [], []
+        scoring: list[tuple[int, range, int]] = []  # (scheduled index, positions, first row)
         for i, (seq, n) in zip(order, ordered, strict=True):
             start = seq.num_computed_tokens
+            scored = _prompt_positions(seq, start, n)
+            if scored:
+                scoring.append((i, scored, len(input_ids) + scored.start - start))
             input_ids.extend(seq.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             if start + n == seq.num_tokens:
                 logits_index.append(len(input_ids) - 1)
                 samplers.append(i)
         num_decodes = sum(1 for seq, n in ordered if n == 1 and not seq.is_prefill)
-        meta = build_attention_metadata(
-            self.attention_backend,
+        meta = build_metadata(
             [(seq.block_table, seq.num_computed_tokens, n) for seq, n in ordered],
             num_decodes,
             self.block_size,
             self.model.lm_head.weight.dtype,
-            self.model.num_kv_heads,
             self.device,
         )
+        prompt_rows = [row + k for _, scored, row in scoring for k in range(len(scored))]
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        logits = self._forward(as_tensor(input_ids), as_tensor(positions), kv or self.kv_cache,
-                               meta, as_tensor(logits_index))  # fmt: skip
-        seqs = [scheduled[i][0] for i in samplers]
-        tokens: list[int | None] = [None] * len(scheduled)
-        for i, token in zip(samplers, sample(logits, [s.params for s in seqs],
-                                             [s.generator for s in seqs]), strict=True):  # fmt: skip
-            tokens[i] = token
-        return tokens
+        logits = self.model(as_tensor(input_ids), as_tensor(positions), kv or self.kv_cache,
+                            meta, as_tensor(logits_index + prompt_rows))  # fmt: skip
+        out = ModelRunnerOutput.empty(len(scheduled))
+        sampled = sample(logits[: len(samplers)], [scheduled[i][0] for i in samplers],
+                         self.config.logprobs_mode)  # fmt: skip
+        for i, token, logprobs in zip(samplers, sampled.token_ids, sampled.logprobs, strict=True):
+            out.sampled_token_ids[i], out.logprobs[i] = token, logprobs
+        if scoring:
+            self._score_prompts(logits[len(samplers) :], scheduled, scoring, out)
+        return out
+
+    def _score_prompts(self, logits: torch.Tensor, scheduled, scoring, out) -> None:
+        """Prompt logprobs: the logits at position p score prompt token p + 1."""
+        targets, nums = [], []
+        for i, scored, _ in scoring:
+            seq = scheduled[i][0]
+            targets.extend(seq.token_ids[p + 1] for p in scored)
+            nums.extend([seq.params.prompt_logprobs] * len(scored))
+        target_ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
+        positions = iter(gather_logprobs(compute_logprobs(logits), target_ids, nums))
+        for i, scored, _ in scoring:
+            out.prompt_logprobs[i] = [next(positions) for _ in scored]
 
 
-def kv_budget_bytes(total: int, utilization: float, peak: int, outside_torch: int) -> int:
-    """Bytes of device memory for KV blocks: the utilization share of the device, less
-    the warm-up's peak torch allocation (weights and activations) and the memory held
-    outside torch's allocator (CUDA context, cuBLAS and Triton workspaces)."""
-    return max(0, int(total * utilization) - peak - outside_torch)
+def _prompt_positions(seq: Sequence, start: int, n: int) -> range:
+    """The positions of this chunk whose logits score a prompt token still unscored: the
+    last prompt position predicts the first output token instead, and a chunk computed
+    again after a recompute preemption has its prompt tokens scored already."""
+    if seq.params.prompt_logprobs is None:
+        return range(0)
+    first = max(start, len(seq.prompt_logprobs) - 1)
+    return range(first, max(first, min(start + n, seq.num_prompt_tokens - 1)))
 
 
 def _decode_first(seq: Sequence, n: int) -> tuple[bool, int]:

@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 from batchpilot.server import LLM, SamplingParams
 from batchpilot.server.detokenizer import IncrementalDetokenizer
 from batchpilot.server.sampler import sample
+from batchpilot.server.sequence import Sequence
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +40,11 @@ def test_top_k_one_and_tiny_top_p_are_greedy(llm):
 
 def test_sampler_follows_the_distribution_and_respects_top_k():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    params = [SamplingParams(temperature=1.0, top_k=2)]
     gen = torch.Generator().manual_seed(0)
+    seq = Sequence("s", None, [0], SamplingParams(temperature=1.0, top_k=2), generator=gen)
     counts = torch.zeros(4)
     for _ in range(4000):
-        counts[sample(logits.clone(), params, [gen])[0]] += 1
+        counts[sample(logits.clone(), [seq]).token_ids[0]] += 1
     assert counts[2] == counts[3] == 0
     assert abs(counts[0] / counts[:2].sum() - 0.5 / 0.8) < 0.03
 
