@@ -38,13 +38,7 @@ GAUGES = (
     names.KV_CACHE_USAGE,
     names.MAX_NUM_SEQS_METRIC,
 )
-COUNTERS = (
-    names.NUM_PREEMPTIONS,
-    names.SWAPS_OUT,
-    names.SWAPS_IN,
-    names.GENERATION_TOKENS,
-    names.PROMPT_TOKENS,
-)
+COUNTERS = (names.NUM_PREEMPTIONS, names.SWAPS_OUT, names.GENERATION_TOKENS)
 HISTOGRAMS = (names.TIME_TO_FIRST_TOKEN, names.INTER_TOKEN_LATENCY)
 
 Buckets = tuple[tuple[float, float], ...]  # ((upper bound "le", cumulative count), ...)
@@ -307,10 +301,10 @@ def replica_window(url: str, samples: Sequence[Sample]) -> Window:
     def mean(name: str) -> float:
         return sum(s.gauges.get(name, 0.0) for s in samples) / len(samples)
 
-    def rate(*counters: str) -> float:
+    def rate(counter: str) -> float:
         if span <= 0:
             return 0.0
-        return sum(increase([s.counters.get(c, 0.0) for s in samples]) for c in counters) / span
+        return increase([s.counters.get(counter, 0.0) for s in samples]) / span
 
     mns = last.gauges.get(names.MAX_NUM_SEQS_METRIC)
     return Window(
@@ -322,7 +316,7 @@ def replica_window(url: str, samples: Sequence[Sample]) -> Window:
         kv_cache_usage=mean(names.KV_CACHE_USAGE),
         kv_cache_usage_peak=max(s.gauges.get(names.KV_CACHE_USAGE, 0.0) for s in samples),
         preemptions_per_minute=60 * rate(names.NUM_PREEMPTIONS),
-        swaps_per_minute=60 * rate(names.SWAPS_OUT, names.SWAPS_IN),
+        swaps_per_minute=60 * rate(names.SWAPS_OUT),  # sequences evicted to CPU memory
         generation_tokens_per_second=rate(names.GENERATION_TOKENS),
         waiting_now=last.gauges.get(names.NUM_REQUESTS_WAITING, 0.0),
         running_now=last.gauges.get(names.NUM_REQUESTS_RUNNING, 0.0),
