@@ -61,6 +61,11 @@ class EngineConfig:
                                 "CPU, or recompute it later", choices=names.PREEMPTION_MODES)  # fmt: skip
     enable_chunked_prefill: bool = knob(True, "split long prompts over steps")
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of shared prompt prefixes")
+    attention_backend: str = knob("auto", "auto: Triton kernels on CUDA GPUs that support "
+                                  "them (sm80+), else the torch reference; torch forces the "
+                                  "reference", choices=("auto", "torch", "triton"))  # fmt: skip
+    cuda_graphs: bool = knob(False, "replay decode-only steps from CUDA graphs captured at "
+                             "bucketed batch sizes (CUDA with Triton attention)")  # fmt: skip
     # "static" admits a whole batch only when the previous one has finished: it exists
     # so benchmarks can compare against static batching inside the same engine.
     scheduling_policy: str = knob("continuous", "continuous, or static batching for comparison",

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from batchpilot.server.attention.metadata import build_metadata
+from batchpilot.server.attention import build_attention_metadata, num_sms, resolve_backend
+from batchpilot.server.attention.triton_metadata import TritonMetadata
 from batchpilot.server.config import EngineConfig, GiB
 from batchpilot.server.kv.cache import KVCache, bytes_per_block, storage_dtype
 from batchpilot.server.kv.manager import cdiv
 from batchpilot.server.logprobs import PositionLogprobs, compute_logprobs, gather_logprobs
+from batchpilot.server.model.cuda_graphs import DecodeGraphs
 from batchpilot.server.model.llama import LlamaDecoder
 from batchpilot.server.sampler import sample
 from batchpilot.server.sampling_params import SamplingParams
@@ -47,6 +49,10 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = config.block_size
+        self.attention_backend = resolve_backend(
+            config.attention_backend, device, config.kv_cache_dtype
+        )
+        self.graphs: DecodeGraphs | None = None  # captured at the first decode-only step
         kv_dtype = storage_dtype(config.kv_cache_dtype, model.lm_head.weight.dtype)
         self.block_bytes = bytes_per_block(len(model.layers), config.block_size,
                                            model.num_kv_heads, model.head_dim, kv_dtype)  # fmt: skip
@@ -86,8 +92,10 @@ class ModelRunner:
             return cfg.kv_cache_memory_bytes
         if self.device.type != "cuda":
             return 1 * GiB
-        total = torch.cuda.mem_get_info(self.device)[1]
-        return max(0, int(total * cfg.gpu_memory_utilization) - self._profile_peak_bytes())
+        peak = self._profile_peak_bytes()
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = total - free - torch.cuda.memory_reserved(self.device)
+        return kv_budget_bytes(total, cfg.gpu_memory_utilization, peak, outside_torch)
 
     def _profile_peak_bytes(self) -> int:
         """Weights plus the activation peak of a full-budget prefill, measured by running it."""
@@ -122,6 +130,25 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------
 
+    def _forward(self, input_ids, positions, kv: KVCache, meta, logits_index) -> torch.Tensor:
+        """The model's forward, replayed from a CUDA graph for a decode-only step when
+        cuda_graphs is on (graphs are captured here, at the first such step, after fp8
+        calibration; steps outside the profile and calibration runs use self.kv_cache)."""
+        decode_only = (isinstance(meta, TritonMetadata) and kv is self.kv_cache
+                       and meta.num_decodes == len(input_ids) == len(logits_index))  # fmt: skip
+        wanted = self.config.cuda_graphs and self.device.type == "cuda"
+        if not (wanted and decode_only and not kv.calibrating):
+            return self.model(input_ids, positions, kv, meta, logits_index)
+        if self.graphs is None:
+            log.info("capturing CUDA graphs for decode steps of up to %d sequences",
+                     self.config.max_num_seqs)  # fmt: skip
+            self.graphs = DecodeGraphs(self.model, kv, self.config.max_num_seqs,
+                                       self.config.max_model_len, num_sms(self.device),
+                                       self.device)  # fmt: skip
+        if not self.graphs.fits(len(input_ids)):  # max_num_seqs raised live past the capture
+            return self.model(input_ids, positions, kv, meta, logits_index)
+        return self.graphs.replay(input_ids, positions, meta)
+
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]],
                 kv: KVCache | None = None) -> ModelRunnerOutput:  # fmt: skip
@@ -144,17 +171,19 @@ class ModelRunner:
                 logits_index.append(len(input_ids) - 1)
                 samplers.append(i)
         num_decodes = sum(1 for seq, n in ordered if n == 1 and not seq.is_prefill)
-        meta = build_metadata(
+        meta = build_attention_metadata(
+            self.attention_backend,
             [(seq.block_table, seq.num_computed_tokens, n) for seq, n in ordered],
             num_decodes,
             self.block_size,
             self.model.lm_head.weight.dtype,
+            self.model.num_kv_heads,
             self.device,
         )
         prompt_rows = [row + k for _, scored, row in scoring for k in range(len(scored))]
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        logits = self.model(as_tensor(input_ids), as_tensor(positions), kv or self.kv_cache,
-                            meta, as_tensor(logits_index + prompt_rows))  # fmt: skip
+        logits = self._forward(as_tensor(input_ids), as_tensor(positions), kv or self.kv_cache,
+                               meta, as_tensor(logits_index + prompt_rows))  # fmt: skip
         out = ModelRunnerOutput.empty(len(scheduled))
         sampled = sample(logits[: len(samplers)], [scheduled[i][0] for i in samplers],
                          self.config.logprobs_mode)  # fmt: skip
@@ -185,6 +214,13 @@ def _prompt_positions(seq: Sequence, start: int, n: int) -> range:
         return range(0)
     first = max(start, len(seq.prompt_logprobs) - 1)
     return range(first, max(first, min(start + n, seq.num_prompt_tokens - 1)))
+
+
+def kv_budget_bytes(total: int, utilization: float, peak: int, outside_torch: int) -> int:
+    """Bytes of device memory for KV blocks: the utilization share of the device, less
+    the warm-up's peak torch allocation (weights and activations) and the memory held
+    outside torch's allocator (CUDA context, cuBLAS and Triton workspaces)."""
+    return max(0, int(total * utilization) - peak - outside_torch)
 
 
 def _decode_first(seq: Sequence, n: int) -> tuple[bool, int]:
