@@ -205,7 +205,9 @@ def test_raise_and_scale_up_reach_the_servers_the_deployment_and_status(
             assert row.split()[3] == str(st["engine"]["maxNumSeqs"])
             reasons = wait_for(
                 "Events for both decisions",
-                lambda: (r := events(api, "chat")) and {"MaxNumSeqsRaised", "ScaledUp"} <= set(r),
+                lambda: (
+                    (r := events(api, "chat")) and {"MaxNumSeqsRaised", "ScaledUp"} <= set(r) and r
+                ),
             )
             assert reasons["ScaledUp"].startswith("replicas 1 -> "), reasons
             metrics = httpx.get(liveness.replace("/healthz", "/metrics"), timeout=5).text
