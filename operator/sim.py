@@ -141,7 +141,6 @@ class _Seq:
     prompt: int  # tokens to prefill on (re)admission: the prompt, plus output if recomputed
     generated: int = 0
     blocks: int = 0
-    base: int = 0  # generated - step counter while running: generated = base + steps
     first_token: bool = False
 
     def context(self) -> int:
@@ -181,7 +180,6 @@ class ReplicaSim:
         self.free_blocks = self.num_blocks
         self.cpu_free = config.swap_space_bytes // block_bytes
         self.time = start
-        self.steps = 0
         self.waiting: deque[_Seq] = deque()
         self.swapped: deque[_Seq] = deque()
         self.running: list[_Seq] = []  # admission order: the newest is preempted first
@@ -215,7 +213,6 @@ class ReplicaSim:
             + self.model.step_per_context_token_s * self.context_tokens
             + self.model.prefill_per_token_s * prefill
         )
-        self.steps += 1
         self._emit_tokens(seconds)
         return seconds
 
@@ -387,7 +384,6 @@ class TracePoint:
     max_num_seqs: int
     kv_cache_dtype: str
     preemptions: int  # cumulative, over every replica that ever ran
-    generated_tokens: int  # cumulative
     itl_p99: float | None
 
 
@@ -449,7 +445,6 @@ class ServiceSim:
         self.now = 0.0
         self.pods: list[_Pod] = []
         self.retired_preemptions = 0
-        self.retired_tokens = 0
         self._names = itertools.count()
         self._next = 0  # round-robin position
         self.loop = ClosedLoop(
@@ -481,7 +476,6 @@ class ServiceSim:
         for pod in [p for p in self.pods if p.draining and not p.engine.has_work()]:
             self.pods.remove(pod)
             self.retired_preemptions += pod.engine.counters["preemptions"]
-            self.retired_tokens += pod.engine.counters["gen"]
 
     def _route(self, req: Request) -> None:
         ready = self.ready(req.arrival)
@@ -592,6 +586,5 @@ class ServiceSim:
             max_num_seqs=settings.max_num_seqs,
             kv_cache_dtype=settings.kv_cache_dtype,
             preemptions=self.retired_preemptions + sum(e.counters["preemptions"] for e in engines),
-            generated_tokens=self.retired_tokens + sum(e.counters["gen"] for e in engines),
             itl_p99=window.itl_p99 if window else None,
         )
