@@ -346,13 +346,24 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> bool:
 
 
 def quality_rows() -> list[dict]:
+    """bench quality's scoring, one engine at a time: each is freed before the next sizes
+    its KV cache from the free memory."""
+    import torch
+
     from batchpilot.server.bench import quality
 
-    result = quality.measure(None, quality.DEFAULT_TEXT.read_text(encoding="utf-8"),
-                             ("bfloat16",), KV_DTYPES, 1024, 64)  # fmt: skip
-    return [{"section": "quality", "kv": r["kv_cache_dtype"], "case": f"{r['tokens']} tokens",
-             "perplexity": r["perplexity"], "check": f"{100 * r['relative_change']:+.2f}%"}
-            for r in result["rows"]]  # fmt: skip
+    text = quality.DEFAULT_TEXT.read_text(encoding="utf-8")
+    rows, reference = [], None
+    for kv in KV_DTYPES:
+        nll, n = quality.score(None, text, "bfloat16", kv, 1024, 64)
+        gc.collect()
+        torch.cuda.empty_cache()
+        perplexity = math.exp(nll / n)
+        reference = reference or perplexity
+        rows.append({"section": "quality", "kv": kv, "case": f"{n} tokens, 64-token chunks",
+                     "perplexity": perplexity,
+                     "check": f"{100 * (perplexity / reference - 1):+.2f}% vs bf16 KV"})  # fmt: skip
+    return rows
 
 
 # ---- report -----------------------------------------------------------------------------
