@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -213,11 +215,27 @@ def tuned(url: str, args, tmp: Path) -> TunedRun:
         stop_load(load, url)
 
 
+@contextlib.contextmanager
+def server(serve_args: list[str], log: Path, cpus: set[int] | None):
+    """running_server, started on ``cpus`` only: the engine sizes its torch threads to its
+    affinity, and on a shared machine one thread that owns a core beats two that wait for
+    each other in every parallel region. The load generator keeps every CPU."""
+    with contextlib.ExitStack() as stack:
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, cpus or before)
+        try:
+            url = stack.enter_context(running_server(serve_args, log))
+        finally:
+            os.sched_setaffinity(0, before)
+        yield url
+
+
 def thrash(args, tmp: Path) -> TunedRun:
-    serve = ["--max-num-seqs", "16", "--kv-cache-memory", "30MiB", "--swap-space", "0.02",
+    # 13 MiB of float32 KV: 18 blocks of 16 tokens, two sequences at 12 + 96 tokens.
+    serve = ["--max-num-seqs", "16", "--kv-cache-memory", "13MiB", "--swap-space", "0.02",
              "--dtype", "float32", "--max-model-len", "256", "--admin-token", TOKEN]  # fmt: skip
-    with running_server(serve, tmp / "thrash-serve.log") as url:
-        load = start_load(url, argparse.Namespace(**{**vars(args), "concurrency": 16}), tmp, "200")
+    with server(serve, tmp / "thrash-serve.log", args.server_cpus) as url:
+        load = start_load(url, argparse.Namespace(**{**vars(args), "concurrency": 16}), tmp, "96")
         try:
             # Memory is the question here, not latency: a target no step misses.
             spec = tuning_spec(16, args, 1, 16, itl_target=60.0)
@@ -352,7 +370,9 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--output-lens", default="64,128")
     p.add_argument("--prompt-repeats", default="1,5,20")
-    p.add_argument("--itl-target", type=float, default=0.5, help="seconds, ITL P99")
+    p.add_argument("--itl-target", type=float, default=None,
+                   help="seconds, ITL P99 (default: the sweep's median ITL P99, so that the "
+                   "target binds: about half the swept values meet it)")  # fmt: skip
     p.add_argument("--cooldown", type=int, default=15)
     p.add_argument("--window", type=float, default=30.0, help="the loop's metrics window, s")
     p.add_argument("--warmup", type=float, default=10.0)
@@ -360,6 +380,8 @@ def parse_args(argv=None):
     p.add_argument("--tuned-seconds", type=float, default=180.0)
     p.add_argument("--thrash-seconds", type=float, default=150.0)
     p.add_argument("--result-dir", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--server-cpus", type=lambda s: {int(c) for c in s.split(",")}, default=None,
+                   help="CPUs to pin the server to, e.g. 1 (default: all)")  # fmt: skip
     p.add_argument("--simulate", type=Path, metavar="PNG",
                    help="only draw the simulator scenario of docs/tuning.md into PNG")  # fmt: skip
     return p.parse_args(argv)
@@ -373,8 +395,12 @@ def main(argv=None) -> int:
     date = time.strftime("%Y%m%d-%H%M%S")
     tmp = Path(tempfile.mkdtemp(prefix="bench-tune-"))  # server logs and load results
     serve = ["--max-model-len", "512", "--admin-token", TOKEN, "--max-num-seqs", str(args.start)]
-    with running_server(serve, tmp / "serve.log") as url:
+    with server(serve, tmp / "serve.log", args.server_cpus) as url:
         points = sweep(url, args, tmp)
+        if args.itl_target is None:
+            itls = sorted(p.itl_p99 for p in points if p.itl_p99 is not None)
+            args.itl_target = round(itls[(len(itls) - 1) // 2], 3)
+            print(f"ITL P99 target: {args.itl_target} s (the sweep's median)", flush=True)
         run = tuned(url, args, tmp)
     thrash_run = thrash(args, tmp)
     summary = summarize(points, run, thrash_run, args)
