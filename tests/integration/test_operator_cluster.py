@@ -174,7 +174,7 @@ def operator(
                             GROUP, VERSION, api.ns, PLURAL
                         )["items"]
                     ),
-                    timeout=30,
+                    timeout=120,  # kopf releases its finalizer; slow on a contended machine
                 )
     assert runner.exception is None, runner.output
 
@@ -375,6 +375,7 @@ def test_deletion_garbage_collects_the_children(api, kubeconfig_env):
                     "items"
                 ]
             ),
+            timeout=120,
         )
         wait_for(
             "children garbage-collected", lambda: not any(api.children().values()), timeout=120
