@@ -88,6 +88,7 @@ def operator(api: Api, metrics_urls: list[str], liveness: str | None = None) -> 
                         "items"
                     ]
                 ),
+                timeout=120,
             )
     assert runner.exception is None, runner.output
 
