@@ -437,6 +437,11 @@ def _register_inference_services(
     async def loop(body: kopf.Body, logger: Any, **_: Any) -> None:
         await timer.tick(plain(body), logger)
 
+    # optional: no finalizer of its own (the timers' one is there anyway).
+    @kopf.on.delete(**isvc, id="forget", optional=True)
+    def forget(namespace: str, name: str, **_: Any) -> None:
+        timer.forget(namespace, name)
+
 
 def _register_children(registry: kopf.OperatorRegistry, rec: Reconciler) -> None:
     managed = {resources.LABEL_MANAGED_BY: resources.MANAGED_BY}

@@ -94,6 +94,11 @@ class LoopTimer:
             return UrlMetricsSource(self.config.metrics_urls)
         return PodMetricsSource(client.CoreV1Api(self.rec.kube.dynamic.client))
 
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop a deleted service's metric samples."""
+        if self._loop is not None:
+            self._loop.forget(namespace, name)
+
     async def tick(self, body: dict, logger: logging.Logger | logging.LoggerAdapter = log) -> None:
         meta = body["metadata"]
         ns, name = meta["namespace"], meta["name"]

@@ -417,6 +417,10 @@ def test_loop_timer_scales_through_status_and_the_reconcile(kube, rec):
     replicas = kube.objects[("Deployment", NS, "chat")]["spec"]["replicas"]
     assert replicas > 2 and st["autoscaling"]["desiredReplicas"] == replicas, st
     assert st["metrics"] and st["replicas"] == 0  # the fake API runs no pods
+    # Deleted: its samples go (the kopf delete handler calls this).
+    assert timer.loop.observer.window(f"{NS}/chat") is not None
+    timer.forget(NS, "chat")
+    assert timer.loop.observer.window(f"{NS}/chat") is None
 
 
 def test_loop_timer_leaves_replicas_to_an_hpa(kube, rec):
