@@ -309,12 +309,6 @@ node_image() { # what `kind build node-image` does, with every image from a loca
     "${x[@]}" bash -c 'kill $(cat /run/ctrd.pid); for i in $(seq 40); do kill -0 $(cat /run/ctrd.pid) 2>/dev/null || break; sleep 0.5; done; rm -f /run/ctrd.pid /var/log/containerd-build.log'
     docker commit --change 'ENTRYPOINT [ "/usr/local/bin/entrypoint", "/sbin/init" ]' \
         --change 'ENV HTTP_PROXY="" HTTPS_PROXY="" NO_PROXY=""' "$cid" "$NODE_IMAGE" >/dev/null
-    docker rmi "batchpilot.local/kind-base:$KEY" "batchpilot.local/kind-iptables:$KEY" >/dev/null 2>&1 || true
-    # The component images live on inside the node image only.
-    local tag
-    for tag in $(docker images --format '{{.Repository}}:{{.Tag}}' 'registry.k8s.io/*' 'registry.k8s.io/*/*'); do
-        docker rmi "$tag" >/dev/null 2>&1 || true
-    done
     rm -rf "$WORK"
     log "saving $NODE_TGZ"
     rm -f "$ROOT"/node-*.tar.gz
@@ -332,6 +326,10 @@ stage_node() {
         timed node-images images
         timed node-base-image base_image
         timed node-image node_image
+        # The base and component images live on inside the node image only.
+        docker rmi "batchpilot.local/kind-base:$KEY" "batchpilot.local/kind-iptables:$KEY" >/dev/null 2>&1 || true
+        docker images --format '{{.Repository}}:{{.Tag}}' | grep '^registry.k8s.io/' |
+            xargs -r docker rmi >/dev/null 2>&1 || true
     fi
 }
 
