@@ -396,7 +396,8 @@ def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
 
 
 def server_env(owner: Owner, spec: InferenceServiceSpec) -> list[dict]:
-    """The admin token from the owned Secret, then what the source needs, then the user's."""
+    """The admin token from the owned Secret, max_num_seqs from the ConfigMap (tuner on),
+    what the model source needs, then the user's."""
     env = [
         {
             "name": names.ADMIN_TOKEN_ENV,
