@@ -403,7 +403,7 @@ def test_loop_timer_scales_through_status_and_the_reconcile(kube, rec):
     from batchpilot.operator.loop_timer import LoopTimer
 
     autoscaling = {"enabled": True, "minReplicas": 2, "maxReplicas": 8, "targetQueueLength": 2,
-                   "scaleUpStabilizationSeconds": 1}  # fmt: skip
+                   "scaleUpStabilizationSeconds": 0}  # fmt: skip
     rec.reconcile(kube.add_isvc("chat", {"autoscaling": autoscaling}))
     assert kube.objects[("Deployment", NS, "chat")]["spec"]["replicas"] == 2
     now = [1_000_000.0]
