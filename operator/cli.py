@@ -137,6 +137,13 @@ def _crds_arguments(crds: argparse._ArgumentGroup) -> None:
     )
 
 
+def config_from_args(args: argparse.Namespace) -> OperatorConfig:
+    """The environment, overridden by the flags given (a field without a flag: env only)."""
+    return OperatorConfig.from_env(
+        **{f: getattr(args, f, None) for f in OperatorConfig.model_fields}
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     if args.action == "crds":
         return _crds(args)
@@ -151,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
     from batchpilot.operator.handlers import make_registry
 
-    config = OperatorConfig.from_env(**{f: getattr(args, f) for f in OperatorConfig.model_fields})
+    config = config_from_args(args)
     kopf.configure(
         debug=args.debug,
         verbose=args.verbose,

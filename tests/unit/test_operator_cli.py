@@ -87,6 +87,7 @@ def test_liveness_flag():
 
 def test_loop_flags_and_environment(monkeypatch):
     from batchpilot.cli import build_parser
+    from batchpilot.operator.cli import config_from_args
 
     monkeypatch.setenv("BATCHPILOT_METRICS_URLS", "http://127.0.0.1:1, http://127.0.0.1:2")
     monkeypatch.setenv("BATCHPILOT_LOOP_INTERVAL", "5")
@@ -96,7 +97,7 @@ def test_loop_flags_and_environment(monkeypatch):
     args = build_parser(["operator"]).parse_args(
         ["operator", "-A", "--metrics-urls", "http://h:9,http://h:10", "--loop-interval", "2"]
     )
-    cfg = OperatorConfig.from_env(**{f: getattr(args, f) for f in OperatorConfig.model_fields})
+    cfg = config_from_args(args)
     assert cfg.metrics_urls == ["http://h:9", "http://h:10"] and cfg.loop_interval == 2
 
 
