@@ -12,7 +12,10 @@
    batch sizes: torch attention, Triton attention, and Triton with decode steps replayed
    from CUDA graphs; plus whether each agrees with torch on the greedy tokens.
 4. Perplexity with fp8 KV against bf16 KV on the bundled model, through the quality
-   benchmark (server/bench/quality.py).
+   benchmark's scoring (server/bench/quality.py), prefilled in 64-token chunks so later
+   chunks read their prefix back from the fp8 cache. On the Triton backend a chunk's
+   own K/V enter its attention unquantized (the torch path reads them back from the
+   cache), so the figure covers the prefix's quantization, as in decode.
 
 A short table comes last. Sections stop being started once --budget-s has passed.
 """
