@@ -17,14 +17,17 @@ from batchpilot.server.kv.cache import FP8_DTYPES
 
 def resolve_backend(name: str, device: torch.device, kv_cache_dtype: str) -> str:
     """auto: triton on CUDA GPUs it supports, torch elsewhere. tl.dot on bf16 needs
-    Ampere (sm80); Triton's fp8 e4m3 type needs Ada or Hopper (sm89)."""
+    Ampere (sm80); Triton's fp8 e4m3 type needs Ada or Hopper (sm89). Under
+    TRITON_INTERPRET=1 (set by the kernel tests for the whole test session) kernels run
+    interpreted on the CPU, so auto keeps a GPU engine on torch."""
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     if name == "torch":
         return "torch"
     if name == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device.type != "cuda" and not interpreting:
             raise ValueError("attention_backend triton needs a CUDA device (or TRITON_INTERPRET=1)")
         return "triton"
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+    if device.type != "cuda" or interpreting or importlib.util.find_spec("triton") is None:
         return "torch"
     e4m3 = FP8_DTYPES.get(kv_cache_dtype) == torch.float8_e4m3fn
     needed = (8, 9) if e4m3 else (8, 0)

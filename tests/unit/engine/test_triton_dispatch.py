@@ -44,9 +44,17 @@ def test_forcing_triton_on_cpu_needs_the_interpreter(monkeypatch):
 )
 def test_auto_on_cuda_follows_compute_capability(monkeypatch, capability, kv_cache_dtype,
                                                  expected):  # fmt: skip
+    monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
     assert resolve_backend("auto", CUDA, kv_cache_dtype) == expected
     assert resolve_backend("torch", CUDA, kv_cache_dtype) == "torch"
+
+
+def test_auto_stays_on_torch_while_kernels_are_interpreted(monkeypatch):
+    """This session's kernels run on the CPU: a GPU engine built in it must not use them."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert resolve_backend("auto", CUDA, "auto") == "torch"
+    assert resolve_backend("triton", CUDA, "auto") == "triton"
 
 
 def test_metadata_type_routes_the_layer_call():
