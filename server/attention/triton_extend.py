@@ -8,8 +8,9 @@ online softmax (base 2): first the prefix [0, prefix_len) read through the block
 applied to the accumulator once the prefix is done, which is exact because later
 rescaling is linear), then the chunk's own tokens straight from the new, unquantized
 K/V with the causal mask. A fresh prompt is the case prefix_len == 0. Reading the chunk
-from the new K/V rather than the cache is why an fp8 cache costs a chunk nothing in its
-own attention, as the torch path's SDPA on fresh prompts does.
+from the new K/V rather than the cache means an fp8 cache quantizes only the prefix a
+chunk sees; the torch path does the same for fresh prompts (SDPA on the new K/V) but
+reads a later chunk's own tokens back from the cache.
 
 Query heads of one group re-read the same K/V rows; they come from L2, and per-head
 programs keep tiles small enough for long chunks.

@@ -7,7 +7,8 @@ rounded to nearest even, bit for bit as torch's float32 -> float8 cast. The roun
 done with integer ops rather than Triton's float -> fp8 cast: the Triton interpreter's
 cast drops the carry when rounding reaches the next power of two (7.87 -> 4.0 instead
 of 8.0), and one code path for GPU and interpreter keeps the CPU tests meaningful; the
-write is memory-bound, so the extra integer ops cost nothing. One program per token
+write is memory-bound, so the extra integer ops should hide behind the loads
+(server/bench/gpu.py reports its bandwidth). One program per token
 covers every KV head, so a decode step is a single small launch for K and V together.
 A negative slot is skipped: padded rows of a captured CUDA graph write nothing.
 """
