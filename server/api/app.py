@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from batchpilot import __version__, names
-from batchpilot.server.api import admin, chat, completions, probes
+from batchpilot.server.api import admin, chat, completions, probes, tokenize
 from batchpilot.server.api.auth import ApiKeyMiddleware
 from batchpilot.server.api.body_limit import BodyLimitMiddleware
 from batchpilot.server.api.context import ServerContext
@@ -75,7 +75,7 @@ def build_app(
     app = FastAPI(title="batchpilot", version=__version__, lifespan=lifespan)
     app.state.context = context
     install_error_handlers(app)
-    for module in (completions, chat, probes, admin):
+    for module in (completions, chat, tokenize, probes, admin):
         app.include_router(module.router)
     # Added innermost first: the drain gate answers before auth, auth before the body.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)

@@ -6,14 +6,21 @@ from batchpilot.server.api import responses as r
 from batchpilot.server.api.context import ServerContext, get_context
 from batchpilot.server.api.errors import APIError
 from batchpilot.server.api.generation import check_model, require_engine
+from batchpilot.server.api.logprobs import chat_logprobs
 from batchpilot.server.api.protocol import ChatCompletionRequest
 from batchpilot.server.api.serving import Endpoint, respond
 
 router = APIRouter()
 
 
-def _delta_choice(index: int, text: str, finish_reason: str | None) -> dict:
-    return r.chat_delta_choice(index, {"content": text} if text else {}, finish_reason)
+def _delta_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None,
+                  stop_reason: int | str | None) -> dict:  # fmt: skip
+    delta = {"content": text} if text else {}
+    return r.chat_delta_choice(index, delta, finish_reason, logprobs, stop_reason)
+
+
+def _logprobs(reply, token_ids: list[int], positions: list, text_offset: int) -> dict:
+    return chat_logprobs(reply.tokenizer, token_ids, positions, reply.body.top_logprobs or 0)
 
 
 def _opening(index: int) -> dict:
@@ -21,7 +28,7 @@ def _opening(index: int) -> dict:
 
 
 CHAT = Endpoint("chatcmpl", "chat.completion", "chat.completion.chunk", r.chat_choice,
-                _delta_choice, _opening)  # fmt: skip
+                _delta_choice, _logprobs, _opening)  # fmt: skip
 
 
 def render_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:

@@ -17,6 +17,7 @@ from batchpilot.server.api.errors import APIError
 MAX_N = 128
 MAX_STOP_SEQUENCES = 16
 INT64_MAX = (1 << 63) - 1
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI allows 20 top_logprobs in chat
 
 PositiveInt = Annotated[int, Field(ge=1)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
@@ -28,8 +29,8 @@ class StreamOptions(BaseModel):
 
 class SamplingFields(BaseModel):
     """Fields shared by both endpoints. vLLM's extensions (top_k, ignore_eos,
-    stop_token_ids) are accepted at the top level, as the openai client's extra_body sends
-    them."""
+    stop_token_ids, repetition_penalty, min_p, min_tokens, prompt_logprobs) are accepted at
+    the top level, as the openai client's extra_body sends them."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -45,21 +46,29 @@ class SamplingFields(BaseModel):
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     user: str | None = None
 
     @model_validator(mode="after")
-    def _reject_unimplemented(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported by this server; omit it or send 0")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
+    def _check_sampling(self):
         if self.top_k == 0:
             raise ValueError("top_k must be -1 (disabled) or at least 1, got 0")
+        for key in self.logit_bias or ():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return self
+
+    def token_biases(self) -> dict[int, float] | None:
+        """logit_bias with int keys, each bias clamped to [-100, 100] as OpenAI does."""
+        if not self.logit_bias:
+            return None
+        return {int(k): min(100.0, max(-100.0, v)) for k, v in self.logit_bias.items()}
 
     @property
     def include_usage(self) -> bool:
@@ -75,22 +84,26 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
-    logprobs: int | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0 only with echo
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
     @model_validator(mode="after")
-    def _reject_unimplemented_completion(self):
-        if self.logprobs is not None:
-            raise ValueError("logprobs is not supported by this server")
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
+    def _check_completion(self):
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported by this server; use n")
         return self
+
+    def logprobs_params(self) -> tuple[int | None, int | None]:
+        """(logprobs, prompt_logprobs): echo with logprobs scores the prompt too, as vLLM."""
+        prompt = self.prompt_logprobs
+        if prompt is None and self.echo:
+            prompt = self.logprobs
+        return self.logprobs, prompt
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -122,17 +135,21 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
-    def _reject_unimplemented_chat(self):
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs is not supported by this server")
+    def _check_chat(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true")
         if self.tools:
             raise ValueError("tools are not supported by this server")
         return self
+
+    def logprobs_params(self) -> tuple[int | None, int | None]:
+        """(logprobs, prompt_logprobs) for the engine."""
+        return (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs
 
     def template_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -144,6 +161,7 @@ def sampling_params(request: SamplingFields, max_tokens: int, index: int):
     from batchpilot.server.sampling_params import SamplingParams
 
     seed = None if request.seed is None else (request.seed + index) % (INT64_MAX + 1)
+    logprobs, prompt_logprobs = request.logprobs_params()
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -154,6 +172,14 @@ def sampling_params(request: SamplingFields, max_tokens: int, index: int):
             stop=request.stop,
             stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos,
+            min_p=request.min_p or 0.0,
+            min_tokens=request.min_tokens,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=request.repetition_penalty or 1.0,
+            logit_bias=request.token_biases(),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from e

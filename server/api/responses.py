@@ -25,22 +25,29 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
-            "stop_reason": None}  # fmt: skip
+def completion_choice(index: int, text: str, finish_reason: str | None,
+                      logprobs: dict | None = None, stop_reason: int | str | None = None) -> dict:  # fmt: skip
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}  # fmt: skip
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None) -> dict:
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None,
+                stop_reason: int | str | None = None) -> dict:  # fmt: skip
     return {
         "index": index,
         "message": {"role": "assistant", "content": text},
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
     }
 
 
-def chat_delta_choice(index: int, delta: dict, finish_reason: str | None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def chat_delta_choice(index: int, delta: dict, finish_reason: str | None,
+                      logprobs: dict | None = None, stop_reason: int | str | None = None) -> dict:  # fmt: skip
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+    return choice
 
 
 def body(kind: str, request_id: str, model: str, choices: list[dict], usage_: dict,

@@ -206,7 +206,8 @@ BAD_BODIES = {
     "empty stop string": ({"prompt": "hi", "stop": [""]}, None),
     "token id out of vocab": ({"prompt": [10**9]}, None),
     "empty prompt": ({"prompt": ""}, None),
-    "logprobs unsupported": ({"prompt": "hi", "logprobs": 2}, None),
+    "logprobs over 20": ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    "suffix unsupported": ({"prompt": "hi", "suffix": "x"}, None),
 }
 
 

@@ -27,10 +27,15 @@ from batchpilot.server.api.protocol import (
         {"n": 1000},
         {"seed": -1},
         {"stop": ["a"] * 17},
-        {"presence_penalty": 0.5},
-        {"logit_bias": {"1": 2.0}},
-        {"logprobs": 1},
-        {"echo": True},
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -3},
+        {"repetition_penalty": 0},
+        {"min_p": 1.5},
+        {"min_tokens": -1},
+        {"logit_bias": {"the": 2.0}},
+        {"logprobs": 21},
+        {"prompt_logprobs": -1},
+        {"suffix": "x"},
         {"best_of": 3},
     ],
 )
@@ -102,3 +107,22 @@ def test_sampling_params_errors_become_400():
     with pytest.raises(APIError) as info:
         sampling_params(body, 4, 0)
     assert info.value.status == 400 and "stop" in info.value.message
+
+
+def test_vllm_sampling_knobs_and_logprobs_reach_sampling_params():
+    body = CompletionRequest(prompt="hi", presence_penalty=0.5, frequency_penalty=-0.5,
+                             repetition_penalty=1.2, min_p=0.1, min_tokens=2, echo=True,
+                             logit_bias={"7": 300.0, "9": -1.5}, logprobs=3)  # fmt: skip
+    params = sampling_params(body, 8, 0)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+            params.min_p, params.min_tokens) == (0.5, -0.5, 1.2, 0.1, 2)  # fmt: skip
+    assert params.logit_bias == {7: 100.0, 9: -1.5}  # clamped to OpenAI's [-100, 100]
+    assert (params.logprobs, params.prompt_logprobs) == (3, 3)  # echo scores the prompt
+    assert CompletionRequest(prompt="hi", max_tokens=0, echo=True).max_tokens == 0
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=True,
+                                 top_logprobs=2)  # fmt: skip
+    assert sampling_params(chat, 8, 0).logprobs == 2
+    with pytest.raises(ValidationError, match="top_logprobs"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+    with pytest.raises(APIError):
+        sampling_params(CompletionRequest(prompt="hi", min_tokens=9), 8, 0)
