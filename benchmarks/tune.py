@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -175,7 +176,8 @@ async def tuned_run(url: str, spec, start: int, seconds: float, args) -> TunedRu
     measuring = Observer(window_seconds=seconds + 120)
     loop = ClosedLoop(
         Tee(url, measuring), AdminClient(timeout=60),
-        observer=Observer(window_seconds=args.window), limits=TuneLimits(min_window_seconds=10),
+        observer=Observer(window_seconds=args.window),
+        limits=TuneLimits(min_window_seconds=args.min_window),
     )  # fmt: skip
     run, status, settings = TunedRun(start), {}, EngineSettings(start)
     t0 = time.time()
@@ -373,8 +375,10 @@ def parse_args(argv=None):
     p.add_argument("--itl-target", type=float, default=None,
                    help="seconds, ITL P99 (default: the sweep's median ITL P99, so that the "
                    "target binds: about half the swept values meet it)")  # fmt: skip
-    p.add_argument("--cooldown", type=int, default=15)
-    p.add_argument("--window", type=float, default=30.0, help="the loop's metrics window, s")
+    p.add_argument("--cooldown", type=int, default=30)
+    p.add_argument("--window", type=float, default=60.0, help="the loop's metrics window, s")
+    p.add_argument("--min-window", type=float, default=30.0,
+                   help="least observation after a change before the tuner judges it, s")  # fmt: skip
     p.add_argument("--warmup", type=float, default=10.0)
     p.add_argument("--measure", type=float, default=40.0)
     p.add_argument("--tuned-seconds", type=float, default=180.0)
@@ -399,7 +403,7 @@ def main(argv=None) -> int:
         points = sweep(url, args, tmp)
         if args.itl_target is None:
             itls = sorted(p.itl_p99 for p in points if p.itl_p99 is not None)
-            args.itl_target = round(itls[(len(itls) - 1) // 2], 3)
+            args.itl_target = math.ceil(itls[(len(itls) - 1) // 2] * 1000) / 1000  # whole ms, up
             print(f"ITL P99 target: {args.itl_target} s (the sweep's median)", flush=True)
         run = tuned(url, args, tmp)
     thrash_run = thrash(args, tmp)

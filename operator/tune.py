@@ -51,6 +51,9 @@ class TuneLimits:
     min_raise_fraction: float = 0.1  # a smaller raise is not worth a decision
     lower_factor: float = 0.75  # a lower sets max_num_seqs to this x the running batch
     min_window_seconds: float = 20.0  # least observation after a change before judging it
+    # A P99 over fewer gaps is the window's few worst steps (one long prefill): noise, not
+    # a latency level. Below this many ITL observations latency is treated as unknown.
+    min_latency_samples: int = 500
     memory_seconds: float = 3600.0  # how long a lowered value caps later raises
 
 
@@ -134,14 +137,15 @@ class Signals:
     itl_p99: float | None
 
     @classmethod
-    def of(cls, w: Window) -> Signals:
+    def of(cls, w: Window, limits: TuneLimits) -> Signals:
+        enough = bool(w.itl_buckets) and w.itl_buckets[-1][1] >= limits.min_latency_samples
         return cls(
             running=w.per_replica(w.running),
             waiting=w.per_replica(w.waiting),
             kv_usage=w.kv_cache_usage,
             kv_peak=w.kv_cache_usage_peak,
             thrash=max(w.per_replica(w.preemptions_per_minute), w.per_replica(w.swaps_per_minute)),
-            itl_p99=w.itl_p99,
+            itl_p99=w.itl_p99 if enough else None,
         )
 
 
@@ -169,7 +173,7 @@ def decide_tuning(
     inputs = inputs_of(window, settings)
     if window.span_seconds < limits.min_window_seconds:
         return hold(f"observing: {window.span_seconds:.0f} s of metrics so far", inputs)
-    law = _Law(spec, settings, Signals.of(window), limits, inputs)
+    law = _Law(spec, settings, Signals.of(window, limits), limits, inputs)
     return law.memory() or law.latency() or law.kv_full() or law.slots(history, now)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,7 +31,7 @@ def window(
     span=60.0,
 ) -> Window:
     """Totals over ``replicas`` (running/waiting are per replica here, for readability)."""
-    itl = () if itl_p99 is None else ((0.0, 0.0), (itl_p99 / 0.99, 100.0), (math.inf, 100.0))
+    itl = () if itl_p99 is None else ((0.0, 0.0), (itl_p99 / 0.99, 1e3), (math.inf, 1e3))
     return Window(
         replicas=replicas,
         span_seconds=span,
@@ -230,6 +231,12 @@ def test_thrash_prefers_fp8_when_allowed_and_lowers_once_fp8_is_on():
 def test_latency_over_target_lowers():
     d = decide_tuning(window(running=8, waiting=0, itl_p99=0.2), TUNE, AT8, 1000.0)
     assert (d.kind, d.max_num_seqs) == ("lower", 6)
+
+
+def test_a_p99_over_too_few_gaps_is_not_a_latency_level():
+    few = window(running=8, waiting=0, itl_p99=0.2)
+    few = replace(few, itl_buckets=tuple((le, n / 10) for le, n in few.itl_buckets))
+    assert decide_tuning(few, TUNE, AT8, 1000.0).kind == "hold"
 
 
 def test_kv_full_with_a_queue_switches_to_fp8_only_when_allowed():
