@@ -59,6 +59,8 @@ def measure(model: str | None, text: str, dtypes, kv_cache_dtypes, window: int,
             reference = reference or ppl
             rows.append({"dtype": dtype, "kv_cache_dtype": kv, "tokens": n,
                          "perplexity": ppl, "relative_change": ppl / reference - 1.0})  # fmt: skip
+            print(f"{dtype} weights, {kv} KV cache: perplexity {ppl:.4f} over {n} tokens",
+                  flush=True)  # fmt: skip
     return {"model": model or "bundled SmolLM2-135M-Instruct", "window": window,
             "max_num_batched_tokens": max_num_batched_tokens, "rows": rows}  # fmt: skip
 
