@@ -21,7 +21,8 @@ SYSTEMS = ("continuous", "static", "hf-sequential", "hf-static", "hf-generate-ba
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model dir or .gguf (default: bundled)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="auto: bfloat16 where the CPU has AVX512-BF16 or AMX, else float32")  # fmt: skip
     parser.add_argument("--concurrency", type=int, default=32,
                         help="batchpilot --max-num-seqs and every peer's batch size")  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -44,14 +45,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from batchpilot.server.bench import engine_runs, hf_baselines
+    from batchpilot.server.bench import engine_runs, hf_baselines, machine
+    from batchpilot.server.device import resolve_device, resolve_dtype
     from batchpilot.server.model.loader import load_hf_model
 
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
         raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
     torch.set_num_threads(len(os.sched_getaffinity(0)))
+    args.dtype = str(resolve_dtype(args.dtype, resolve_device("cpu"))).removeprefix("torch.")
     hf_model, tokenizer = load_hf_model(args.model, getattr(torch, args.dtype))
+    print("measuring the matmul peak ...", flush=True)
+    host = machine.describe(getattr(torch, args.dtype))
+    host["params"] = sum(p.numel() for p in hf_model.parameters())  # tied weights once
     workload = make_workload(args.num_prompts, args.seed, args.output_lens, args.prompt_repeats)
     requests = [TokenRequest(tokenizer(w.prompt)["input_ids"], w.output_len) for w in workload]
     # A short pass over one batch of the real prompts brings every system's first-call costs
@@ -80,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     # First: generate_batch switches the transformers model's attention backend.
     eff = engine_efficiency(args, engine_kwargs, hf_model, requests)
     runs = best_of_rounds(plan, [n for n in SYSTEMS if n in args.systems], args.repeats)
-    result = summarize(args, runs, eff, requests)
+    result = summarize(args, runs, eff, requests, host)
     print(render(result))
     path = write(result, args.result_dir)
     print(f"results: {path}")
@@ -115,12 +121,20 @@ def best_of_rounds(plan: dict, systems: list[str], repeats: int) -> list[SystemR
     return best
 
 
-def summarize(args, runs: list[SystemRun], eff: dict | None, requests) -> dict:
+def summarize(args, runs: list[SystemRun], eff: dict | None, requests, host: dict) -> dict:
+    from batchpilot.server.bench.machine import roofline_seconds
+
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    output_tokens = sum(r.output_len for r in requests)
+    roofline = roofline_seconds(prompt_tokens, output_tokens, host["params"],
+                                host["matmul_peak_gflops"])  # fmt: skip
     reference = next((r for r in runs if r.name == "batchpilot continuous"), None)
     rows = []
     for r in runs:
         row = r.as_dict()
         row["batchpilot_speedup"] = reference.useful_tok_s / r.useful_tok_s if reference else None
+        # As a rate, so a system that ran a prefix of the workload compares too.
+        row["roofline_fraction"] = r.useful_tok_s / (output_tokens / roofline)
         rows.append(row)
     return {
         "date": time.strftime("%Y%m%d-%H%M%S"),
@@ -133,15 +147,18 @@ def summarize(args, runs: list[SystemRun], eff: dict | None, requests) -> dict:
         "seed": args.seed,
         "repeats": args.repeats,
         "cpus": len(os.sched_getaffinity(0)),
-        "total_prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
-        "total_output_tokens": sum(r.output_len for r in requests),
+        "total_prompt_tokens": prompt_tokens,
+        "total_output_tokens": output_tokens,
+        "machine": host,
+        "roofline_seconds": roofline,
         "systems": rows,
         "engine_efficiency": eff,
     }
 
 
 def render(result: dict) -> str:
-    headers = ["system", "requests", "output tok/s", "useful tok/s", "batchpilot ÷ system"]
+    headers = ["system", "requests", "output tok/s", "useful tok/s", "batchpilot ÷ system",
+               "of roofline"]  # fmt: skip
     rows = []
     for s in result["systems"]:
         ratio = s["batchpilot_speedup"]
@@ -151,8 +168,16 @@ def render(result: dict) -> str:
             f"{s['output_tok_s']:.1f}",
             f"{s['useful_tok_s']:.1f}",
             f"{ratio:.2f}x" if ratio is not None else "-",
+            f"{s['roofline_fraction']:.0%}",
         ])  # fmt: skip
-    text = table(headers, rows)
+    host = result["machine"]
+    text = table(headers, rows) + (
+        f"\n\n{host['cpu_model']} ({' '.join(host['cpu_flags'])}), {host['torch_threads']} "
+        f"threads, load {host['load_average_1m']:.1f}: {host['dtype']} matmul peak "
+        f"{host['matmul_peak_gflops']:.1f} GFLOP/s; roofline {result['roofline_seconds']:.1f} s "
+        f"for {result['total_prompt_tokens']} prompt + {result['total_output_tokens']} output "
+        f"tokens at {host['params'] / 1e6:.0f}M parameters"
+    )
     eff = result["engine_efficiency"]
     if eff:
         text += (

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from batchpilot.server.bench.goodput import parse_slo
 from batchpilot.server.bench.loadgen import LoadSpec, run_load
+from batchpilot.server.bench.machine import cpu_info
 from batchpilot.server.bench.results import aggregate
 from batchpilot.server.bench.workload import (
     DEFAULT_OUTPUT_LENS,
@@ -84,6 +85,7 @@ def bench_serve(args: argparse.Namespace, spec: LoadSpec, progress: bool) -> dic
         "burstiness": spec.burstiness,
         "max_concurrency": spec.max_concurrency,
         "seed": spec.seed,
+        "client_machine": cpu_info(),  # the server's, too, when it runs beside the client
     }
     result.update(aggregate(load.results, load.duration_s, slo, percentiles))
     return result
