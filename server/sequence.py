@@ -5,9 +5,12 @@ and RUNNING -> PREEMPTED -> RUNNING (recompute preemption: re-prefilled from WAI
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from batchpilot.server.logprobs import PromptLogprobs, SampleLogprobs
 from batchpilot.server.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # logprobs.py imports torch; the API and scheduler modules must not
+    from batchpilot.server.logprobs import PromptLogprobs, SampleLogprobs
 
 
 class Status(enum.Enum):

@@ -10,9 +10,13 @@ Token text is each token decoded on its own, as vLLM reports it. JSON has no -in
 logprob below -9999 is reported as -9999, as vLLM does.
 """
 
-from collections.abc import Sequence
+from __future__ import annotations
 
-from batchpilot.server.logprobs import PositionLogprobs
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # server/logprobs.py imports torch; the API must load without it
+    from batchpilot.server.logprobs import PositionLogprobs
 
 FLOOR = -9999.0
 
