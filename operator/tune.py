@@ -216,6 +216,12 @@ class _Law:
     def memory(self) -> TuneDecision | None:
         if self.s.thrash <= self.limits.thrash_per_minute:
             return None
+        mns = self.settings.max_num_seqs
+        if self.s.running > mns:  # a lower never evicts: the old batch is still finishing
+            return self._decided(
+                "hold",
+                f"thrashing, but {self.s.running:.1f} running over the new limit {mns}: draining",
+            )
         why = (
             f"memory-bound: {self.s.thrash:.1f} preemptions or swaps per minute per replica "
             f"(bound {self.limits.thrash_per_minute:g})"

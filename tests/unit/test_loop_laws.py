@@ -219,6 +219,12 @@ def test_thrash_lowers_below_the_batch_that_runs():
     assert "memory-bound" in d.reason
 
 
+def test_thrash_while_the_old_batch_drains_under_a_new_limit_holds():
+    draining = window(running=5, preemptions=20)  # lowered to 3, five still finishing
+    d = decide_tuning(draining, TUNE, EngineSettings(3), 1000.0)
+    assert d.kind == "hold" and "draining" in d.reason
+
+
 def test_thrash_prefers_fp8_when_allowed_and_lowers_once_fp8_is_on():
     spec = TUNE.model_copy(update={"allow_fp8_kv_cache": True})
     thrash = window(running=12, preemptions=20)
