@@ -25,7 +25,6 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, new tokens)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
-    preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -190,7 +189,6 @@ class Scheduler:
         self.running.remove(seq)
         seq.num_preemptions += 1
         self.counters.num_preemptions += 1
-        out.preempted.append(seq)
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(seq):
             out.swap_out.extend(self.kv.swap_out(seq))
             seq.status = Status.SWAPPED
