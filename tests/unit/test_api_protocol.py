@@ -15,7 +15,6 @@ from batchpilot.server.api.protocol import (
 @pytest.mark.parametrize(
     "fields",
     [
-        {"max_tokens": 0},
         {"max_tokens": -1},
         {"temperature": -0.1},
         {"temperature": 2.5},
