@@ -60,7 +60,7 @@ class SamplingFields(BaseModel):
         if self.top_k == 0:
             raise ValueError("top_k must be -1 (disabled) or at least 1, got 0")
         for key in self.logit_bias or ():
-            if not key.lstrip("-").isdigit():
+            if not key.lstrip("-").isdecimal():
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return self
 
