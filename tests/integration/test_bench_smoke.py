@@ -53,6 +53,11 @@ def test_offline_compares_every_system_on_the_same_work(tiny_path, tmp_path):
     eff = result["engine_efficiency"]
     assert eff["batch_size"] == 4 and eff["decode_steps"] == 3
     assert eff["efficiency"] == pytest.approx(eff["engine_decode_tok_s"] / eff["raw_forward_tok_s"])
+    # The machine and the roofline it scales every system by, measured in the same run.
+    host = result["machine"]
+    assert host["dtype"] == "float32" and host["matmul_peak_gflops"] > 0 and host["params"] > 0
+    assert result["roofline_seconds"] > 0
+    assert all(s["roofline_fraction"] > 0 for s in systems.values())
 
 
 def test_serve_measures_every_request_against_a_live_server(tiny_path, tmp_path):
