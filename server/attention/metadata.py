@@ -24,6 +24,7 @@ class DecodeBucket:
     end: int
     blocks: torch.Tensor  # [seqs, max_blocks]
     mask: torch.Tensor  # [1, seqs, 1, max_blocks * block_size]
+    context_lens: torch.Tensor  # [seqs]: the CPU kernel reads only these positions
 
 
 @dataclass
@@ -81,8 +82,11 @@ def build_metadata(seqs: list[tuple[list[int], int, int]], num_decodes: int, blo
         group = decodes[start:end]
         ctx = [s + n for _, s, n in group]
         blocks, pos = _block_table([t for t, _, _ in group], ctx, block_size)
-        mask = _additive((pos[None, :] < torch.tensor(ctx)[:, None])[None, :, None, :], dtype)
-        meta.decode_buckets.append(DecodeBucket(start, end, blocks.to(device), mask.to(device)))
+        lens = torch.tensor(ctx)
+        mask = _additive((pos[None, :] < lens[:, None])[None, :, None, :], dtype)
+        meta.decode_buckets.append(
+            DecodeBucket(start, end, blocks.to(device), mask.to(device), lens.to(device))
+        )
     row = num_decodes
     for table, start, n in prefills:
         chunk = PrefillChunk(row, n, None, None)

@@ -10,6 +10,7 @@ length, so grouped-query attention needs no K/V repeat.
 import torch
 import torch.nn.functional as F
 
+from batchpilot.server.attention import cpu_decode
 from batchpilot.server.attention.metadata import AttentionMetadata
 from batchpilot.server.kv.cache import KVCache
 
@@ -22,9 +23,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCac
     kv_heads = k.shape[1]
     group = num_heads // kv_heads
     out = q.new_empty(num_tokens, num_heads * dim)
+    in_place = bool(meta.decode_buckets) and cpu_decode.usable(kv, q)
     for bucket in meta.decode_buckets:
-        ck, cv = kv.read(layer, bucket.blocks)  # [kv_heads, seqs, ctx, dim]
         n = bucket.end - bucket.start
+        if in_place:  # reads the blocks where they are: no gathered copy
+            out[bucket.start : bucket.end] = cpu_decode.paged_decode(
+                q[bucket.start : bucket.end], kv.k[layer], kv.v[layer], bucket.blocks,
+                bucket.context_lens, kv.block_size, scale,
+            )  # fmt: skip
+            continue
+        ck, cv = kv.read(layer, bucket.blocks)  # [kv_heads, seqs, ctx, dim]
         qd = q[bucket.start : bucket.end].view(n, kv_heads, group, dim).transpose(0, 1)
         o = _decode_attention(qd, ck, cv, bucket.mask, scale)
         out[bucket.start : bucket.end] = o.transpose(0, 1).reshape(n, num_heads * dim)

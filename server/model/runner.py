@@ -8,7 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from batchpilot.server.attention import build_attention_metadata, num_sms, resolve_backend
+from batchpilot.server.attention import (
+    build_attention_metadata,
+    cpu_decode,
+    num_sms,
+    resolve_backend,
+)
 from batchpilot.server.attention.triton_metadata import TritonMetadata
 from batchpilot.server.config import EngineConfig, GiB
 from batchpilot.server.kv.cache import KVCache, bytes_per_block, storage_dtype
@@ -52,6 +57,8 @@ class ModelRunner:
         self.attention_backend = resolve_backend(
             config.attention_backend, device, config.kv_cache_dtype
         )
+        if self.attention_backend == "torch" and device.type == "cpu":
+            cpu_decode.load()  # built (or found cached) now, not at the first decode step
         self.graphs: DecodeGraphs | None = None  # captured at the first decode-only step
         kv_dtype = storage_dtype(config.kv_cache_dtype, model.lm_head.weight.dtype)
         self.block_bytes = bytes_per_block(len(model.layers), config.block_size,

@@ -1,0 +1,120 @@
+"""CPU decode attention that reads K/V blocks in place through the block table.
+
+The torch path gathers every decoding sequence's blocks into a padded copy per layer
+(`KVCache.read`) before two batched matmuls; this kernel walks the block table instead,
+with the softmax fused and fp32 accumulation, one (sequence, KV head) per task. It is
+compiled on first use with torch.utils.cpp_extension; where that fails (no compiler,
+no headers) `load()` returns None once and the torch path runs."""
+
+import functools
+import hashlib
+import logging
+
+import torch
+
+from batchpilot.server.device import cpu_flags
+
+log = logging.getLogger("batchpilot.engine")
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+template <typename T>
+void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* tables,
+                 const int64_t* lens, T* out, int64_t heads, int64_t kv_heads, int64_t dim,
+                 int64_t slots, int64_t width, int64_t block_size, float scale,
+                 int64_t begin, int64_t end) {
+  const int64_t group = heads / kv_heads;
+  std::vector<float> qf(group * dim), kf(dim), acc(group * dim), scores;
+  for (int64_t job = begin; job < end; ++job) {
+    const int64_t s = job / kv_heads, h = job % kv_heads, len = lens[s];
+    const T* qs = q + (s * heads + h * group) * dim;
+    for (int64_t i = 0; i < group * dim; ++i) qf[i] = static_cast<float>(qs[i]) * scale;
+    scores.assign(group * len, 0.f);
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t slot = tables[s * width + t / block_size] * block_size + t % block_size;
+      const T* kr = kc + (h * slots + slot) * dim;
+      for (int64_t d = 0; d < dim; ++d) kf[d] = static_cast<float>(kr[d]);
+      for (int64_t g = 0; g < group; ++g) {
+        float dot = 0.f;
+        for (int64_t d = 0; d < dim; ++d) dot += qf[g * dim + d] * kf[d];
+        scores[g * len + t] = dot;
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* row = scores.data() + g * len;
+      float top = -INFINITY, sum = 0.f;
+      for (int64_t t = 0; t < len; ++t) top = std::max(top, row[t]);
+      for (int64_t t = 0; t < len; ++t) sum += (row[t] = std::exp(row[t] - top));
+      for (int64_t t = 0; t < len; ++t) row[t] /= sum;
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t slot = tables[s * width + t / block_size] * block_size + t % block_size;
+      const T* vr = vc + (h * slots + slot) * dim;
+      for (int64_t d = 0; d < dim; ++d) kf[d] = static_cast<float>(vr[d]);
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * len + t];
+        for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * kf[d];
+      }
+    }
+    T* os = out + (s * heads + h * group) * dim;
+    for (int64_t i = 0; i < group * dim; ++i) os[i] = static_cast<T>(acc[i]);
+  }
+}
+
+// q: [n, heads, dim]; k_cache, v_cache: [kv_heads, slots, dim]; tables: [n, width];
+// lens: [n] context lengths -> [n, heads * dim]
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor tables, torch::Tensor lens, int64_t block_size,
+                           double scale) {
+  q = q.contiguous();
+  const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1), width = tables.size(1);
+  auto out = torch::empty({n, heads * dim}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      decode_rows<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                            v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
+                            lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), heads,
+                            kv_heads, dim, slots, width, block_size, (float)scale, begin, end);
+    });
+  });
+  return out;
+}
+"""
+
+
+# -march=native vectorizes the float loops for this CPU, and the reassociation flags let
+# the compiler vectorize the dot products' sums.
+CFLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+
+
+@functools.cache
+def load():
+    """The compiled module, or None (logged once) where it cannot be built. The build is
+    cached by torch under a name that carries this CPU's flags, so a cache shared with
+    another kind of CPU never loads code built for instructions it lacks."""
+    from torch.utils.cpp_extension import load_inline
+
+    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+    try:
+        log.info("building the CPU decode attention kernel (cached after the first time)")
+        return load_inline(f"batchpilot_cpu_decode_{flags}", cpp_sources=SOURCE,
+                           functions=["paged_decode"], extra_cflags=CFLAGS)  # fmt: skip
+    except Exception as exc:  # any build failure: the torch path is always correct
+        log.warning("CPU decode attention kernel unavailable, using torch: %s", exc)
+        return None
+
+
+def paged_decode(q, k_cache, v_cache, tables, lens, block_size: int, scale: float):
+    """q: [n, heads, dim]; caches [kv_heads, slots, dim]; tables [n, width]; lens [n]."""
+    return load().paged_decode(q, k_cache, v_cache, tables, lens, block_size, scale)
+
+
+def usable(kv, q: torch.Tensor) -> bool:
+    """On CPU, with K/V stored in the model dtype (FP8 caches dequantize in torch)."""
+    return q.device.type == "cpu" and not kv.is_fp8 and load() is not None
