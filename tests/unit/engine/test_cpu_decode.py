@@ -36,3 +36,13 @@ def test_kernel_matches_the_gathering_torch_path(dtype, atol):
     got = cpu_decode.paged_decode(q, k_cache, v_cache, tables, lens, BLOCK, DIM**-0.5)
     want = torch_reference(q, k_cache, v_cache, tables, lens, DIM**-0.5)
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+
+
+def test_a_failed_build_leaves_the_torch_path(monkeypatch):
+    import torch.utils.cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", no_compiler)
+    assert cpu_decode.load.__wrapped__() is None
