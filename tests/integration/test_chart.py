@@ -163,6 +163,7 @@ def test_deployment_hardening_and_args(k8s):
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["resources"]["requests"] and c["resources"]["limits"]
     assert "--all-namespaces" in c["args"] and "--standalone" in c["args"]
+    assert "--loop-interval=15" in c["args"]
     docs = render(k8s, "--set", "watchNamespaces={a,b}", "--set", "serverImage.repository=s")
     (c,) = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"]
     assert "--namespace=a" in c["args"] and "--namespace=b" in c["args"]
