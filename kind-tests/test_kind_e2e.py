@@ -578,15 +578,6 @@ def test_fp8_kv_cache_roll_under_load_drops_nothing(kind, namespace, node_port, 
     output = load.communicate(timeout=1800)[0]
     result = json.loads(out.read_text()) if out.exists() else {}
     errors = [e for e in result.get("errors", []) if e]
-    if result.get("completed") and errors and all("server is shutting down" in e for e in errors):
-        # Known server gap (issue 10): while draining, server/api/lifecycle.py answers 503 to
-        # new requests, also on keep-alive connections the Service routed before the pod left
-        # its endpoints; kube-proxy never moves an established connection. Serving those
-        # with `Connection: close` instead would drop nothing. Everything else passed.
-        pytest.xfail(
-            f"{len(errors)} of {len(errors) + result['completed']} requests got 503 'The server "
-            "is shutting down' on keep-alive connections to the draining pod"
-        )
     assert load.returncode == 0 and result.get("failed") == 0, (
         f"requests failed during the fp8 roll: {result.get('failed')} of "
         f"{result.get('completed', 0) + result.get('failed', 0)}; errors: "

@@ -1,9 +1,12 @@
 """Readiness and graceful drain.
 
-On SIGTERM the server turns not-ready (/ready 503) and answers new /v1 requests with 503,
-while the requests already in flight run to completion, bounded by --shutdown-timeout.
-Only then does uvicorn stop and the process exit 0. That is what lets a rolling update
-drop nothing: Kubernetes stops routing to the pod as soon as /ready fails.
+On SIGTERM the server turns not-ready (/ready 503) and the requests in flight run to
+completion, bounded by --shutdown-timeout. Only then does uvicorn stop and the process
+exit 0. Requests that still arrive while it drains are served too, with `Connection:
+close`: they come on keep-alive connections opened before the pod left the Service's
+endpoints, and kube-proxy never moves an open connection, so a 503 there would fail a
+request that the next connection would have sent to a live pod. That is what lets a
+rolling update drop nothing.
 """
 
 import asyncio
@@ -11,8 +14,6 @@ import logging
 import signal
 
 import uvicorn
-
-from batchpilot.server.api.errors import send_error
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +47,22 @@ class Lifecycle:
             return False
 
 
+def _closing(send):
+    """send, with `Connection: close` on the response: the client's next request opens a
+    new connection, which the Service routes to a pod that is not draining."""
+
+    async def closing_send(message):
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+            message = {**message, "headers": [*headers, (b"connection", b"close")]}
+        await send(message)
+
+    return closing_send
+
+
 class GateMiddleware:
-    """503 for new /v1 requests while draining; counts generation requests in flight
-    (a streamed one counts until its last byte is sent)."""
+    """Counts generation requests in flight (a streamed one counts until its last byte is
+    sent); while draining, every /v1 response closes its connection."""
 
     def __init__(self, app, lifecycle: Lifecycle):
         self.app = app
@@ -58,8 +72,7 @@ class GateMiddleware:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
         if self.lifecycle.draining:
-            return await send_error(send, 503, "The server is shutting down",
-                                    {"retry-after": "1", "connection": "close"})  # fmt: skip
+            send = _closing(send)
         if scope["path"] not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
         self.lifecycle.enter()
