@@ -20,6 +20,7 @@ SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 template <typename T>
@@ -28,41 +29,45 @@ void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* tables,
                  int64_t slots, int64_t width, int64_t block_size, float scale,
                  int64_t begin, int64_t end) {
   const int64_t group = heads / kv_heads;
-  std::vector<float> qf(group * dim), kf(dim), acc(group * dim), scores;
+  // float32 models accumulate in double: they must stay within 1e-4 of transformers'
+  // logprobs, and reassociated float sums drift past that. bf16/fp16 ones round far
+  // more than that already, so they keep the faster float accumulators.
+  using acc_t = std::conditional_t<std::is_same_v<T, float>, double, float>;
+  std::vector<acc_t> qf(group * dim), kf(dim), acc(group * dim), scores;
   for (int64_t job = begin; job < end; ++job) {
     const int64_t s = job / kv_heads, h = job % kv_heads, len = lens[s];
     const T* qs = q + (s * heads + h * group) * dim;
-    for (int64_t i = 0; i < group * dim; ++i) qf[i] = static_cast<float>(qs[i]) * scale;
-    scores.assign(group * len, 0.f);
+    for (int64_t i = 0; i < group * dim; ++i) qf[i] = static_cast<acc_t>(qs[i]) * scale;
+    scores.assign(group * len, acc_t(0));
     for (int64_t t = 0; t < len; ++t) {
       const int64_t slot = tables[s * width + t / block_size] * block_size + t % block_size;
       const T* kr = kc + (h * slots + slot) * dim;
-      for (int64_t d = 0; d < dim; ++d) kf[d] = static_cast<float>(kr[d]);
+      for (int64_t d = 0; d < dim; ++d) kf[d] = static_cast<acc_t>(kr[d]);
       for (int64_t g = 0; g < group; ++g) {
-        float dot = 0.f;
+        acc_t dot = 0;
         for (int64_t d = 0; d < dim; ++d) dot += qf[g * dim + d] * kf[d];
         scores[g * len + t] = dot;
       }
     }
     for (int64_t g = 0; g < group; ++g) {
-      float* row = scores.data() + g * len;
-      float top = -INFINITY, sum = 0.f;
+      acc_t* row = scores.data() + g * len;
+      acc_t top = -INFINITY, sum = 0;
       for (int64_t t = 0; t < len; ++t) top = std::max(top, row[t]);
       for (int64_t t = 0; t < len; ++t) sum += (row[t] = std::exp(row[t] - top));
       for (int64_t t = 0; t < len; ++t) row[t] /= sum;
     }
-    std::fill(acc.begin(), acc.end(), 0.f);
+    std::fill(acc.begin(), acc.end(), acc_t(0));
     for (int64_t t = 0; t < len; ++t) {
       const int64_t slot = tables[s * width + t / block_size] * block_size + t % block_size;
       const T* vr = vc + (h * slots + slot) * dim;
-      for (int64_t d = 0; d < dim; ++d) kf[d] = static_cast<float>(vr[d]);
+      for (int64_t d = 0; d < dim; ++d) kf[d] = static_cast<acc_t>(vr[d]);
       for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[g * len + t];
+        const acc_t p = scores[g * len + t];
         for (int64_t d = 0; d < dim; ++d) acc[g * dim + d] += p * kf[d];
       }
     }
     T* os = out + (s * heads + h * group) * dim;
-    for (int64_t i = 0; i < group * dim; ++i) os[i] = static_cast<T>(acc[i]);
+    for (int64_t i = 0; i < group * dim; ++i) os[i] = static_cast<T>(static_cast<float>(acc[i]));
   }
 }
 
