@@ -494,9 +494,11 @@ def test_closed_loop_scales_on_queue_and_tunes_the_pods(
         },
     )
     out = tmp_path / "load.json"
-    # A burst well past max_num_seqs (16): the queue per replica exceeds the target of 2.
-    load = bench(node_port, out, "--num-prompts", "160", "--request-rate", "inf",
-                 "--max-concurrency", "48", "--output-lens", "32")  # fmt: skip
+    # 48 streams against 16 slots: the queue per replica exceeds the target of 2 for as long
+    # as the load runs. Far more prompts than the test needs, so that a fast machine cannot
+    # finish them before the loop has looked; the load stops once the decisions are applied.
+    load = bench(node_port, out, "--num-prompts", "4000", "--request-rate", "inf",
+                 "--max-concurrency", "48", "--output-lens", "64")  # fmt: skip
 
     def replicas() -> int:
         return kind.get("deployment", SERVICE, "-n", namespace)["spec"].get("replicas", 0)
