@@ -466,6 +466,18 @@ def pod_max_num_seqs(kind: Kind, namespace: str) -> dict[str, float]:
     return values
 
 
+def rollout_done(kind: Kind, namespace: str, after_generation: int) -> bool:
+    dep = kind.get("deployment", SERVICE, "-n", namespace)
+    st, want = dep.get("status", {}), dep["spec"]["replicas"]
+    return (
+        dep["metadata"]["generation"] > after_generation
+        and st.get("observedGeneration", 0) >= dep["metadata"]["generation"]
+        and st.get("updatedReplicas", 0) == want
+        and st.get("readyReplicas", 0) == want
+        and st.get("replicas", 0) == want
+    )
+
+
 def patch_spec(kind: Kind, namespace: str, spec: dict) -> None:
     kind.kubectl(
         "patch", PLURAL, SERVICE, "-n", namespace, "--type=merge", "-p", json.dumps({"spec": spec})
@@ -477,6 +489,7 @@ def test_closed_loop_scales_on_queue_and_tunes_the_pods(
 ):
     if not closed_loop_wired():
         pytest.skip("the operator's kopf timers do not run operator/loop.py yet (issue 10)")
+    generation = kind.get("deployment", SERVICE, "-n", namespace)["metadata"]["generation"]
     patch_spec(
         kind,
         namespace,
@@ -493,6 +506,10 @@ def test_closed_loop_scales_on_queue_and_tunes_the_pods(
             "tuning": {"enabled": True, "cooldownSeconds": 10, "maxNumSeqs": {"min": 2, "max": 16}},
         },
     )
+    # Turning tuning on moves max_num_seqs into the ConfigMap-backed argument: one roll.
+    # Load sent during it would be judged by pods about to go.
+    wait_for("the roll that turning tuning on starts", lambda: rollout_done(kind, namespace, generation),
+             900, every=3)  # fmt: skip
     out = tmp_path / "load.json"
     # 48 streams against 16 slots: the queue per replica exceeds the target of 2 for as long
     # as the load runs. Far more prompts than the test needs, so that a fast machine cannot
