@@ -85,6 +85,9 @@ class Scheduler:
         budget = self._schedule_running(out, budget, decodes=True)
         budget = self._schedule_running(out, budget, decodes=False)
         if not self.swapped and self._may_admit():
+            # No preemption follows: what is scheduled now is computed in this step.
+            for seq, n in out.scheduled:
+                self.kv.register_computed(seq, n)
             self._admit(out, budget)
         self._record_step(out)
         return out
@@ -231,4 +234,5 @@ class Scheduler:
             self.running.append(seq)
             if n > 0:
                 out.scheduled.append((seq, n))
+                self.kv.register_computed(seq, n)
                 budget -= n

@@ -60,9 +60,13 @@ class KVCacheManager:
         seq.block_table.extend(self.pool.allocate() for _ in range(n))
         return True
 
-    def register_computed(self, seq: Sequence) -> None:
-        """Key the blocks that became full and computed in the last step."""
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
+    def register_computed(self, seq: Sequence, num_new_tokens: int = 0) -> None:
+        """Key the blocks that are full once seq's computed tokens and num_new_tokens
+        more are in the cache. Keying the blocks the step in flight fills lets a prompt
+        admitted later in the same step share them: every layer writes the step's K/V
+        before any query reads it."""
+        full = (seq.num_computed_tokens + num_new_tokens) // self.block_size
+        for i in range(len(seq.block_hashes), full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.append(block_digest(parent, self.block_tokens(seq, i)))
             self._register(seq, i)

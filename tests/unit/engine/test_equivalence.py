@@ -79,3 +79,18 @@ def test_forced_prefix_key_collisions_change_no_output(tiny_model, hf_greedy, mo
     for out, expected in zip(first + second, uncached[:1] + uncached, strict=True):
         assert out.outputs[0].token_ids == expected.outputs[0].token_ids
         assert out.outputs[0].token_ids == hf_greedy(out.prompt_token_ids, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("budget", [2048, 40])
+def test_prompts_admitted_together_share_the_blocks_their_step_fills(tiny_model, hf_greedy,
+                                                                     budget):  # fmt: skip
+    """A burst of prompts with one prefix (the seed's load script) prefills it once: a
+    prompt admitted after another in the same step reads the blocks that step writes. A
+    small budget cuts the first prompt's chunk short, and only its computed blocks count."""
+    shared = "You are a helpful assistant. Answer briefly and precisely. " * 3
+    prompts = [shared + q for q in ("What is AI?", "Name a color.", "Count to three.")]
+    llm, outs = run(tiny_model, prompts, max_num_batched_tokens=budget)
+    shared_blocks = len(llm.get_tokenizer()(shared)["input_ids"]) // 16
+    assert llm.stats().prefix_cache_hits >= 2 * 16 * shared_blocks
+    for out in outs:
+        assert out.outputs[0].token_ids == hf_greedy(out.prompt_token_ids, MAX_TOKENS)
