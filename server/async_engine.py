@@ -212,11 +212,12 @@ class AsyncEngine:
         self.config = engine_config
         self.tokenizer = tokenizer
         self.stats = stats
-        self.loaded.set_result(None)
+        if not self.loaded.done():  # a shutdown during loading cancelled the wait
+            self.loaded.set_result(None)
 
     def _failed(self, error: BaseException, loading: bool) -> None:
         self.failure = error
-        if loading:
+        if loading and not self.loaded.done():
             self.loaded.set_exception(error)
             self.loaded.exception()  # marks it retrieved: the caller of serve() reports it
         self._end_streams(EngineFailed(f"the engine failed: {error!r}"))

@@ -99,9 +99,13 @@ def _sampling_distribution(logits: torch.Tensor, params) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
-    noise = torch.stack(
-        [torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g)
-         for g in generators]
-    )  # fmt: skip
-    return (probs / noise).argmax(dim=-1)
+    """Inverse CDF: one uniform per row from the row's own generator, then one batched
+    cumsum and search. Noise over the whole vocabulary per row (the exponential race)
+    cost about 1 ms a row on a CPU, a third of a 40-sequence step."""
+    u = torch.cat([torch.rand(1, generator=g, device=probs.device, dtype=torch.float64)
+                   for g in generators])  # fmt: skip
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)
+    # right=True: the first token whose cumulative mass exceeds the draw, so a token
+    # with zero probability (filtered out) is never the answer.
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return tokens.clamp_(max=probs.shape[-1] - 1)

@@ -27,7 +27,9 @@ def batchpilot_generate(
         gc.collect()
     steps = after.num_steps - before.num_steps
     preemptions = after.num_preemptions - before.num_preemptions
-    note = f"{steps} steps, {preemptions} preemptions"
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    note = f"{steps} steps, {preemptions} preemptions, prefix cache hits {hits}/{queries} tokens"
     return SystemRun(f"batchpilot {policy}", len(requests), produced, produced, seconds, note)
 
 
