@@ -165,8 +165,8 @@ class EngineSpec(_Camel):
     max_num_batched_tokens: int | None = Field(
         None, ge=1, le=1 << 20, alias=names.MAX_NUM_BATCHED_TOKENS.crd_field
     )
-    """Token budget of one engine step. Default: 2048 with chunked prefill, else
-    max(2048, maxModelLen)."""
+    """Token budget of one engine step. Default with chunked prefill: 2048 on GPUs, 512
+    on CPUs; without it, at least maxModelLen."""
 
     kv_cache_dtype: Literal[names.KV_CACHE_DTYPES] = Field(  # type: ignore[valid-type]
         "auto", alias=names.KV_CACHE_DTYPE.crd_field

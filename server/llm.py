@@ -23,6 +23,10 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block nobody holds, as vLLM's LLM.reset_prefix_cache."""
+        self.engine.kv_manager.pool.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | list[Prompt],

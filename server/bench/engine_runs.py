@@ -16,6 +16,8 @@ def batchpilot_generate(
     llm = LLM(scheduling_policy=policy, **engine_kwargs)
     try:
         _generate(llm, SamplingParams, warmup)
+        # The warm-up ran the workload's own prompts; its KV must not serve the timed run.
+        llm.reset_prefix_cache()
         before = llm.stats()
         start = time.perf_counter()
         outputs = _generate(llm, SamplingParams, requests)

@@ -119,7 +119,7 @@ def load_model(config, dtype, device, stage) -> LoadedModel:
 
     stage(LOAD_STAGES[0])
     hf_model, tokenizer = load_hf_model(config.model, dtype)
-    config.resolve(hf_model.config.max_position_embeddings)
+    config.resolve(hf_model.config.max_position_embeddings, device.type)
     check_sliding_window(hf_model.config, config.max_model_len)
     stage(LOAD_STAGES[1])
     decoder = from_hf(hf_model, config.max_model_len, dtype, device)
