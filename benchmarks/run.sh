@@ -17,3 +17,12 @@ $BP bench interference --num-decoders 8 --long-prompt-len 1600 --chunk-sizes 32,
 #    same workload offline at 32 for the online/offline ratio.
 $BP bench sweep --values 2,8,32 --max-num-seqs 32 --num-prompts 48 \
     --slo ttft:2000,tpot:200 --result-dir "$OUT"
+
+# 4. The seed's load script (issue 13): 40 concurrent completions, then one by one, against
+#    a server that serves the model under the seed's name. guidellm and llama.cpp, run
+#    beside it in benchmarks/README.md, live in their own virtualenvs and are not run here.
+.venv/bin/batchpilot serve --port 8123 --served-model-name local-model &
+SERVER=$!
+trap 'kill -INT $SERVER; wait $SERVER' EXIT
+until curl -sf http://127.0.0.1:8123/ready >/dev/null; do kill -0 $SERVER || exit 1; sleep 1; done
+.venv/bin/python benchmarks/seed_load.py --url http://127.0.0.1:8123 --result-dir "$OUT"

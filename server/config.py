@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from batchpilot import names
 
 GiB = 1 << 30
-# A CPU computes a 2048-token step in seconds: when 16 closed-loop requests arrive
-# together, their prefills filled one such step and every stream waited for it (TTFT
-# 1.6 s against 0.15 s alone under guidellm); 512 spreads them over steps as short as a
-# GPU's 2048-token one (TTFT 0.66 s, and 5% more throughput).
+# A CPU computes a 2048-token step in over a second: when 16 closed-loop requests arrive
+# together, their prefills filled one such step and every stream waited for it (guidellm:
+# TTFT 1.7-2.0 s against 0.15 s alone); 512 spreads them over shorter steps (0.68-0.75 s,
+# throughput the same within the noise).
 DEFAULT_STEP_TOKENS = {"cuda": 2048, "cpu": 512}
 
 
