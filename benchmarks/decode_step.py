@@ -1,7 +1,9 @@
 """One engine's decode step (bundled model, dtype auto): admit the seed's prompts, then time
 15 steps and print the median. `--temperature 0.7 --batch 40` is the seed's load script;
-run it under different `taskset` pinnings to see what the thread count costs on a loaded
-machine, e.g. `taskset -c 1 .venv/bin/python benchmarks/decode_step.py`."""
+`--kernel-ab` times 40 steps with the CPU decode kernel on and off in turn, so a shared
+machine's drifting load hits both alike. Run it under different `taskset` pinnings to see
+what the thread count costs on a loaded machine, e.g.
+`taskset -c 1 .venv/bin/python benchmarks/decode_step.py`."""
 
 import argparse
 import os
@@ -12,11 +14,13 @@ import time
 import torch
 
 from batchpilot.server import LLM, SamplingParams
+from batchpilot.server.attention import cpu_decode
 from batchpilot.server.bench.workload import SEED_REPEATS, seed_prompt
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--temperature", type=float, default=0.0)
+parser.add_argument("--kernel-ab", action="store_true")
 args = parser.parse_args()
 
 engine = LLM(None, dtype="auto", max_num_seqs=max(64, args.batch), max_model_len=2048).engine
@@ -30,11 +34,18 @@ while engine.stats().last_step_batch_size < args.batch or admitting < 3:
     engine.step()
     admitting += 1
 print(f"admitting {args.batch} prompts: {admitting} steps, {time.perf_counter() - start:.1f} s")
-times = []
-for _ in range(15):
+
+kernel_usable = cpu_decode.usable
+modes = [True, False] * 20 if args.kernel_ab else [True] * 15
+times = {True: [], False: []}
+for on in modes:
+    cpu_decode.usable = kernel_usable if on else (lambda kv, q: False)
     start = time.perf_counter()
     engine.step()
-    times.append(time.perf_counter() - start)
+    times[on].append(time.perf_counter() - start)
 batch = engine.stats().last_step_batch_size
-print(f"step at batch {batch}, temperature {args.temperature}: "
-      f"median {statistics.median(times) * 1e3:.0f} ms")  # fmt: skip
+for on, taken in times.items():
+    if taken:
+        print(f"step at batch {batch}, temperature {args.temperature}, kernel "
+              f"{'on' if on else 'off'}: median {statistics.median(taken) * 1e3:.0f} ms, "
+              f"min {min(taken) * 1e3:.0f} ms")  # fmt: skip

@@ -19,13 +19,15 @@ from pathlib import Path
 
 import aiohttp
 
+from batchpilot.server.bench.workload import SEED_REPEATS, seed_prompt
+
 
 def payloads(num: int, rng: random.Random, seeded: bool) -> list[dict]:
     out = []
     for i in range(num):
         body = {
             "model": "local-model",
-            "prompt": "请解释一下" + "机器学习" * rng.choice([1, 5, 20, 50]),
+            "prompt": seed_prompt(rng.choice(SEED_REPEATS)),
             "max_tokens": 128,
             "temperature": 0.7,
         }

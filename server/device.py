@@ -3,6 +3,8 @@ the hardware."""
 
 import torch
 
+from batchpilot.server.cpuinfo import cpu_flags
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -22,13 +24,3 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def cpu_dtype(flags: set[str]) -> torch.dtype:
     return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & flags else torch.float32
-
-
-def cpu_flags() -> set[str]:
-    """The CPU feature flags from /proc/cpuinfo; empty where it cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.partition(":")[2].split())

@@ -84,10 +84,11 @@ class Scheduler:
         self._swap_in(out)
         budget = self._schedule_running(out, budget, decodes=True)
         budget = self._schedule_running(out, budget, decodes=False)
+        # No preemption follows: what is scheduled now is computed in this step, so its
+        # blocks are keyed now, for the prompts admitted below to share.
+        for seq, n in out.scheduled:
+            self.kv.register_computed(seq, n)
         if not self.swapped and self._may_admit():
-            # No preemption follows: what is scheduled now is computed in this step.
-            for seq, n in out.scheduled:
-                self.kv.register_computed(seq, n)
             self._admit(out, budget)
         self._record_step(out)
         return out
@@ -103,14 +104,14 @@ class Scheduler:
 
     def postprocess(self, scheduled: list[tuple[Sequence, int]],
                     tokens: list[int | None]) -> list[Sequence]:  # fmt: skip
-        """After the forward pass: advance each sequence's computed tokens, key its newly
-        full blocks, append its sampled token (None: mid-prefill, nothing sampled) and
-        finish it on a stop token or length. -> the sequences that got a token."""
+        """After the forward pass: advance each sequence's computed tokens (its full blocks
+        were keyed when it was scheduled), append its sampled token (None: mid-prefill,
+        nothing sampled) and finish it on a stop token or length. -> the sequences that
+        got a token."""
         now = time.monotonic()
         appended = []
         for (seq, n), token in zip(scheduled, tokens, strict=True):
             seq.num_computed_tokens += n
-            self.kv.register_computed(seq)
             if token is not None:
                 self._append(seq, token, now)
                 appended.append(seq)

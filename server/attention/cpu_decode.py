@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from batchpilot.server.device import cpu_flags
+from batchpilot.server.cpuinfo import cpu_flags
 
 log = logging.getLogger("batchpilot.engine")
 

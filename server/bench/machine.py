@@ -9,24 +9,16 @@ peak is measured, so the online load generator stays torch-free."""
 import os
 import time
 
+from batchpilot.server.cpuinfo import cpu_flags, cpuinfo_field
+
 # The flags that decide how fast torch's CPU matmuls run in each dtype.
 MATMUL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 # [rows, in, out]: the bundled model's projections at a prefill-sized M, and a square.
 PEAK_SHAPES = ((512, 576, 960), (512, 576, 3072), (512, 1536, 576), (1024, 1024, 1024))
 
 
-def cpuinfo_field(name: str) -> str:
-    """The first value of `name` in /proc/cpuinfo; empty where it cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith(name)), "")
-    except OSError:
-        return ""
-    return line.partition(":")[2].strip()
-
-
 def cpu_info() -> dict:
-    flags = set(cpuinfo_field("flags").split())
+    flags = cpu_flags()
     return {
         "cpu_model": cpuinfo_field("model name") or "unknown",
         "cpu_flags": [f for f in MATMUL_FLAGS if f in flags],
