@@ -14,15 +14,18 @@ SUBCOMMANDS = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    # allow_abbrev=False here and on every subparser: an abbreviation (`--max-num-seq`) is
+    # an unknown flag, never another spelling of a flag (the operator's extraArgs rely on it).
     parser = argparse.ArgumentParser(
         prog="batchpilot",
+        allow_abbrev=False,
         description="Continuous-batching LLM server and the Kubernetes operator that tunes it.",
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="{serve,bench,operator}")
     chosen = next((a for a in argv if a in SUBCOMMANDS), None)
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         if name == chosen:
             importlib.import_module(module).add_arguments(p)
     return parser

@@ -38,10 +38,13 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 SCHEDULING_POLICIES = ("continuous", "static")
 
 # Knobs the admin API changes while the server runs.
-LIVE_KNOBS = (MAX_NUM_SEQS.name,)
+LIVE_KNOBS = (MAX_NUM_SEQS.name, MAX_NUM_BATCHED_TOKENS.name)
 
 ADMIN_TOKEN_ENV = "BATCHPILOT_ADMIN_TOKEN"
 DEFAULT_PORT = 8000
+# /admin/* listens here only, never on the public port; the Service does not expose it and
+# the operator reaches each pod on it directly.
+DEFAULT_ADMIN_PORT = 8001
 DEFAULT_SERVED_MODEL_NAME = "smollm2-135m-instruct"
 
 # Prometheus metric names: vLLM's where vLLM has one, so existing dashboards, KEDA
@@ -63,6 +66,7 @@ ITERATION_TOKENS = "vllm:iteration_tokens_total"
 SWAPS_OUT = "batchpilot:swaps_out_total"
 SWAPS_IN = "batchpilot:swaps_in_total"
 MAX_NUM_SEQS_METRIC = "batchpilot:max_num_seqs"
+MAX_NUM_BATCHED_TOKENS_METRIC = "batchpilot:max_num_batched_tokens"
 KV_CACHE_INFO = "batchpilot:kv_cache_info"
 BATCH_SIZE = "batchpilot:batch_size"
 
@@ -83,6 +87,7 @@ ALL_METRICS = (
     SWAPS_OUT,
     SWAPS_IN,
     MAX_NUM_SEQS_METRIC,
+    MAX_NUM_BATCHED_TOKENS_METRIC,
     KV_CACHE_INFO,
     BATCH_SIZE,
 )

@@ -17,7 +17,7 @@ from batchpilot.server import LLM, SamplingParams
 from batchpilot.server.attention import cpu_decode
 from batchpilot.server.bench.workload import SEED_REPEATS, seed_prompt
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
 parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--temperature", type=float, default=0.0)
 parser.add_argument("--kernel-ab", action="store_true")

@@ -89,7 +89,7 @@ async def main(args) -> dict:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--num-requests", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0, help="draws the prompt lengths")

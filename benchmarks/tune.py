@@ -1,19 +1,26 @@
-"""The online tuner against the best fixed max_num_seqs, on one real `batchpilot serve`.
+"""The verified tuner against fixed max_num_seqs values, on real `batchpilot serve` servers.
 
-    .venv/bin/python benchmarks/tune.py [--values 2,4,8,16,24,32] [--start 2] ...
+    .venv/bin/python benchmarks/tune.py [--quick] [--values 8,16,32,48] [--repeats 3] ...
 
-1. Sweep: one server; for each value, PATCH max_num_seqs through /admin/config, run the
-   fixed load (`batchpilot bench serve`: --concurrency closed-loop clients, EOS ignored),
-   drop --warmup seconds, then measure generation tokens/s and ITL P99 for --measure
-   seconds from the server's /metrics: the counters and histograms the operator reads.
-2. Tuned: back to the poor --start value, the same load for --tuned-seconds while the real
-   loop (operator/loop.py: observe → decide_tuning → admin apply, --cooldown) drives it.
-   Throughput is measured after its last decision (converged) and over the whole run.
-3. Thrash: a second server whose KV cache holds a few sequences, started with an oversized
-   max_num_seqs under load, the loop driving it: preemptions per minute before the first
-   decision and after the last one.
+The service's latency targets (spec.slo: --ttft-target, --itl-target) are fixed before
+anything runs. The server is pinned to --server-cpus (default: the last CPU) and this
+process, which runs the load and the loop, to the others. Goodput is tokens/s of requests
+that met both targets, measured two ways: per request from the load's own timings (TTFT,
+and mean time per output token against the ITL target, as `vllm bench serve --goodput`
+judges a request), and the way the loop sees it (experiment.score on the server's /metrics
+histograms).
 
-Writes benchmarks/results/tune-<date>.json and benchmarks/results/tune-<date>.png.
+1. Arms, interleaved: for r in 1..--repeats: each fixed value (set through /admin/config),
+   then T, the tuned run (the real ClosedLoop from --start for --tuned-seconds, a fresh
+   tuner each time). A fixed arm drops --warmup s and measures --measure s; T is scored
+   over its last --measure s (and over the whole run after --warmup).
+2. Thrash: a server whose KV cache holds two sequences, started at max_num_seqs 16 under
+   load; the loop drives it; goodput (and throughput, preemptions) before its first
+   decision and after its last verdict.
+3. Noisy neighbour: the main server from the best fixed value, the loop driving it, and a
+   CPU hog on the server's core switched on and off; max_num_seqs over time and verdicts.
+
+Writes benchmarks/results/tune-<date>.json and .png.
 """
 
 from __future__ import annotations
@@ -21,398 +28,445 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from batchpilot import names
 from batchpilot.operator.admin_client import AdminClient
 from batchpilot.operator.crd import parse_spec
+from batchpilot.operator.experiment import Targets, score
 from batchpilot.operator.loop import ClosedLoop
-from batchpilot.operator.observe import Observer, UrlMetricsSource, Window, parse_metrics
-from batchpilot.operator.tune import EngineSettings, TuneLimits
+from batchpilot.operator.observe import (
+    Observer,
+    UrlMetricsSource,
+    Window,
+    on_port,
+    parse_metrics,
+)
+from batchpilot.operator.tune import TuneLimits
+from batchpilot.operator.tuner_state import EngineSettings, settings_from_status
 from batchpilot.server.bench.server_process import running_server
+from benchmarks.realtune import report
+from benchmarks.realtune.load import ClosedLoad
+from benchmarks.realtune.machine import Hog, affinity, load_average, lscpu, split_cpus
 
 TOKEN = "bench-tune-token"
 KEY = "bench/tune"
-SCRAPE_PERIOD = 5.0
-BATCHPILOT = str(Path(sys.executable).with_name("batchpilot"))
+PERIOD = 5.0  # the loop's turn and the scrape period, s
 
 
-@dataclass
-class Measured:
-    max_num_seqs: int
-    tokens_per_second: float
-    itl_p99: float | None
-    preemptions_per_minute: float
-    seconds: float
-
-    @classmethod
-    def of(cls, w: Window, max_num_seqs: int) -> Measured:
-        return cls(max_num_seqs, w.generation_tokens_per_second, w.itl_p99,
-                   w.preemptions_per_minute, w.span_seconds)  # fmt: skip
+def log(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
 
 
-@dataclass
-class TunedRun:
-    start: int
-    decisions: list[dict] = field(default_factory=list)  # time (s from start), kind, value, reason
-    timeline: list[dict] = field(default_factory=list)  # time, max_num_seqs, tokens/s
-    converged: Measured | None = None
-    whole_run: Measured | None = None
-    first_window: Measured | None = None  # before the first decision
+# --------------------------------------------------------------------------- server I/O
+
+
+async def set_max_num_seqs(url: str, value: int) -> None:
+    admin = on_port(url, names.DEFAULT_ADMIN_PORT)
+    failures = await AdminClient(timeout=60).set_live(
+        [admin], TOKEN, {names.MAX_NUM_SEQS.name: value}
+    )
+    if failures[admin]:
+        raise RuntimeError(failures[admin])
+
+
+async def wait_idle(url: str, timeout: float = 300.0) -> None:
+    """Until the requests the stopped load left behind have left the engine."""
+    busy = (names.NUM_REQUESTS_RUNNING, names.NUM_REQUESTS_WAITING, names.NUM_REQUESTS_SWAPPED)
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=30) as client:
+        while time.monotonic() < deadline:
+            gauges = parse_metrics((await client.get(f"{url}/metrics")).text, time.time()).gauges
+            if not any(gauges.get(n, 0.0) for n in busy):
+                return
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"{url} still busy after {timeout} s")
+
+
+class Recording:
+    """Every scrape round, so that a window can be cut from any span of a run."""
+
+    def __init__(self):
+        self.rounds: list[tuple[float, list]] = []
+
+    def record(self, key: str, scrapes, now: float) -> None:
+        self.rounds.append((now, list(scrapes)))
+
+    def window(self, key: str, since: float, until: float = math.inf) -> Window | None:
+        observer = Observer(window_seconds=1e9)
+        for now, scrapes in self.rounds:
+            if since <= now <= until:
+                observer.record(key, scrapes, now)
+        return observer.window(key)
 
 
 class Tee:
     """The loop's metrics source, also recording into a long measuring window."""
 
-    def __init__(self, url: str, measuring: Observer):
-        self.source = UrlMetricsSource([url], timeout=15)
+    def __init__(self, url: str, measuring: Recording):
+        self.source = UrlMetricsSource([url], timeout=30)
         self.measuring = measuring
+        self.reported_max_num_seqs: int | None = None
 
     async def scrape(self, namespace, name):
         scrapes = await self.source.scrape(namespace, name)
         self.measuring.record(KEY, scrapes, time.time())
+        if scrapes and scrapes[0].text:
+            gauges = parse_metrics(scrapes[0].text, time.time()).gauges
+            value = gauges.get(names.MAX_NUM_SEQS_METRIC)
+            self.reported_max_num_seqs = int(value) if value is not None else None
         return scrapes
 
 
-# --------------------------------------------------------------------------- load and I/O
+def loop_score(w: Window | None, targets: Targets) -> dict | None:
+    """The window the way the loop judges it (per replica; one replica here)."""
+    if w is None or w.span_seconds <= 0:
+        return None
+    s = score(w, targets)
+    return {
+        "goodput_tokens_per_second": s.goodput,
+        "tokens_per_second": s.throughput,
+        "itl_p99_s": s.itl_p99,
+        "ttft_p99_s": s.ttft_p99,
+        "waiting": s.waiting,
+        "preemptions_per_minute": w.preemptions_per_minute,
+        "seconds": w.span_seconds,
+    }
 
 
-def start_load(url: str, args, result_dir: Path, output_lens: str) -> subprocess.Popen:
-    """`batchpilot bench serve` in the background, returned once its requests are running."""
-    with open(result_dir / "load.log", "ab") as log:
-        load = subprocess.Popen(
-            [BATCHPILOT, "bench", "serve", "--url", url, "--request-rate", "inf",
-             "--max-concurrency", str(args.concurrency), "--num-prompts", "3000",
-             "--output-lens", output_lens, "--prompt-repeats", args.prompt_repeats,
-             "--num-warmups", "0", "--result-dir", str(result_dir)],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    deadline = time.monotonic() + 300
-    while gauge(url, names.NUM_REQUESTS_RUNNING) == 0:
-        if load.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the load did not start; see {result_dir / 'load.log'}")
-        time.sleep(0.5)
-    return load
+def measured(load: ClosedLoad, observer: Recording, t0: float, t1: float, args) -> dict:
+    return {
+        "per_request": load.score(t0, t1, args.ttft_target, args.itl_target),
+        "loop_score": loop_score(
+            observer.window(KEY, since=t0 - 0.5, until=t1 + 0.5), targets(args)
+        ),
+        "from": t0,
+        "to": t1,
+    }
 
 
-def gauge(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=15).text
-    return parse_metrics(text, time.time()).gauges.get(name, 0.0)
+def targets(args) -> Targets:
+    return Targets(args.ttft_target, args.itl_target)
 
 
-def stop_load(load: subprocess.Popen, url: str) -> None:
-    load.kill()
-    load.wait()
-    wait_idle(url)
+# --------------------------------------------------------------------------- the arms
 
 
-def wait_idle(url: str, timeout: float = 300.0) -> None:
-    """Until the aborted requests have left the engine."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        busy = (names.NUM_REQUESTS_RUNNING, names.NUM_REQUESTS_WAITING, names.NUM_REQUESTS_SWAPPED)
-        if not any(gauge(url, name) for name in busy):
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} still busy after {timeout} s")
+async def fixed_arm(url: str, value: int, args) -> dict:
+    await set_max_num_seqs(url, value)
+    load = ClosedLoad(url, args.concurrency, args.output_lens, args.prompt_repeats)
+    observer, source = (
+        Recording(),
+        UrlMetricsSource([url], timeout=30),
+    )
+    await load.start()
+    try:
+        await asyncio.sleep(args.warmup)
+        t0 = time.time()
+        end = t0 + args.measure
+        while True:
+            observer.record(KEY, await source.scrape("", ""), time.time())
+            if time.time() >= end:
+                break
+            await asyncio.sleep(min(PERIOD, max(0.0, end - time.time())))
+        t1 = time.time()
+        out = {"arm": str(value), "max_num_seqs": value, **measured(load, observer, t0, t1, args)}
+    finally:
+        await load.stop()
+    await wait_idle(url)
+    return out
 
 
-def set_max_num_seqs(url: str, value: int) -> None:
-    failures = asyncio.run(AdminClient(timeout=60).set_max_num_seqs([url], TOKEN, value))
-    if failures[url]:
-        raise RuntimeError(failures[url])
-
-
-async def observe_for(url: str, seconds: float) -> Window:
-    observer, source = Observer(window_seconds=seconds + 60), UrlMetricsSource([url], timeout=15)
-    end = time.monotonic() + seconds
-    while True:
-        observer.record(KEY, await source.scrape("", ""), time.time())
-        if time.monotonic() >= end:
-            return observer.window(KEY)
-        await asyncio.sleep(min(SCRAPE_PERIOD, max(0.0, end - time.monotonic())))
-
-
-# --------------------------------------------------------------------------- the phases
-
-
-def sweep(url: str, args, tmp: Path) -> list[Measured]:
-    points = []
-    for value in args.values:
-        set_max_num_seqs(url, value)
-        load = start_load(url, args, tmp, args.output_lens)
-        try:
-            asyncio.run(observe_for(url, args.warmup))
-            point = Measured.of(asyncio.run(observe_for(url, args.measure)), value)
-        finally:
-            stop_load(load, url)
-        print(f"fixed max_num_seqs={value}: {point.tokens_per_second:.1f} tok/s, "
-              f"ITL P99 {point.itl_p99}", flush=True)  # fmt: skip
-        points.append(point)
-    return points
-
-
-def tuning_spec(start: int, args, lo: int, hi: int, itl_target: float):
+def tuning_spec(start: int, args, lo: int, hi: int):
     return parse_spec(
         {"engine": {"maxNumSeqs": start},
+         "slo": {"timeToFirstTokenSeconds": args.ttft_target,
+                 "interTokenLatencySeconds": args.itl_target},
          "tuning": {"enabled": True, "cooldownSeconds": args.cooldown,
-                    "targetInterTokenLatencySeconds": itl_target,
                     "maxNumSeqs": {"min": lo, "max": hi}}}
     )  # fmt: skip
 
 
-async def tuned_run(url: str, spec, start: int, seconds: float, args) -> TunedRun:
-    measuring = Observer(window_seconds=seconds + 120)
+def limits(args) -> TuneLimits:
+    return TuneLimits(
+        min_window_seconds=args.min_window,
+        min_latency_samples=args.min_samples,
+        retry_seconds=args.retry,
+        max_retry_seconds=8 * args.retry,
+        max_experiment_seconds=args.max_experiment,
+    )
+
+
+async def looped(url: str, start: int, seconds: float, args, spec, concurrency: int,
+                 output_lens, hog_schedule=None) -> dict:  # fmt: skip
+    """The load from max_num_seqs ``start``, the real loop every PERIOD s for ``seconds``:
+    its decisions, max_num_seqs over time, and the load's per-request record."""
+    await set_max_num_seqs(url, start)
+    measuring = Recording()
+    tee = Tee(url, measuring)
     loop = ClosedLoop(
-        Tee(url, measuring), AdminClient(timeout=60),
-        observer=Observer(window_seconds=args.window),
-        limits=TuneLimits(min_window_seconds=args.min_window),
+        tee, AdminClient(timeout=60), observer=Observer(window_seconds=args.window),
+        limits=limits(args),
     )  # fmt: skip
-    run, status, settings = TunedRun(start), {}, EngineSettings(start)
+    status: dict = {}
+    settings = EngineSettings(start)
+    decisions, timeline, apply_failures = [], [], []
+    hog = hog_schedule[0] if hog_schedule else None
+    load = ClosedLoad(url, concurrency, output_lens, args.prompt_repeats)
+    await load.start()
+    # The loop's first baseline must not hold the load's start-up transient (the first
+    # requests meet no queue): the loop starts once the load has run --warmup s.
+    await asyncio.sleep(args.warmup)
     t0 = time.time()
-    while time.time() - t0 < seconds:
-        outcome = await loop.run_once("bench", "tune", spec, status, 1, settings, TOKEN)
-        status.update(outcome.status_patch)
-        tuned = status["tuning"]
-        settings = EngineSettings(
-            tuned[names.MAX_NUM_SEQS.crd_field], tuned[names.KV_CACHE_DTYPE.crd_field]
-        )
-        now = time.time() - t0
-        if outcome.tuning.changes:
-            if not run.decisions:
-                run.first_window = Measured.of(measuring.window(KEY), start)
-            run.decisions.append({"time": round(now, 1), "kind": outcome.tuning.kind,
-                                  "max_num_seqs": outcome.tuning.max_num_seqs,
-                                  "reason": outcome.tuning.reason})  # fmt: skip
-        tps = (status.get("metrics") or {}).get("generationTokensPerSecond")
-        run.timeline.append({"time": round(now, 1), "max_num_seqs": settings.max_num_seqs,
-                             "tokens_per_second": tps})  # fmt: skip
-        await asyncio.sleep(SCRAPE_PERIOD)
-    last = t0 + (run.decisions[-1]["time"] if run.decisions else 0.0)
-    converged = measuring.window(KEY, since=last + args.warmup)
-    if converged is not None and converged.span_seconds > 0:
-        run.converged = Measured.of(converged, settings.max_num_seqs)
-    run.whole_run = Measured.of(measuring.window(KEY), settings.max_num_seqs)
-    return run
-
-
-def tuned(url: str, args, tmp: Path) -> TunedRun:
-    set_max_num_seqs(url, args.start)
-    load = start_load(url, args, tmp, args.output_lens)
     try:
-        spec = tuning_spec(args.start, args, min(args.values), max(args.values), args.itl_target)
-        return asyncio.run(tuned_run(url, spec, args.start, args.tuned_seconds, args))
+        while (now := time.time()) - t0 < seconds:
+            if hog is not None:
+                hog.set(hog_schedule[1](now - t0))
+            outcome = await loop.run_once("bench", "tune", spec, status, 1, settings, TOKEN)
+            for k, v in outcome.status_patch.items():
+                status[k] = v
+            settings = settings_from_status(status) or settings
+            t = round(time.time() - t0, 1)
+            d = outcome.tuning
+            if d is not None and d.changes:
+                decisions.append({
+                    "time": t, "action": d.action, "kind": d.kind,
+                    "max_num_seqs": d.settings.max_num_seqs, "reason": d.reason,
+                    "before": d.before.to_status() if d.before else None,
+                    "after": d.after.to_status() if d.after else None,
+                })  # fmt: skip
+                log(f"  t={t:.0f}s {d.action} {d.kind}: max_num_seqs {d.settings.max_num_seqs}"
+                    f" ({d.reason})")  # fmt: skip
+            if outcome.apply_failures:
+                apply_failures.append({"time": t, **outcome.apply_failures})
+            metrics = status.get("metrics") or {}
+            timeline.append({
+                "time": t, "max_num_seqs": settings.max_num_seqs,
+                "reported_max_num_seqs": tee.reported_max_num_seqs,
+                "hog": bool(hog and hog.on), "decision": d.action if d else None,
+                "reason": d.reason[:160] if d else None,
+                "tokens_per_second": metrics.get("generationTokensPerSecond"),
+                "itl_p99_s": metrics.get("itlP99Seconds"),
+            })  # fmt: skip
+            await asyncio.sleep(max(0.0, PERIOD - (time.time() - now)))
+        t1 = time.time()
     finally:
-        stop_load(load, url)
-
-
-@contextlib.contextmanager
-def server(serve_args: list[str], log: Path, cpus: set[int] | None):
-    """running_server, started on ``cpus`` only: the engine sizes its torch threads to its
-    affinity, and on a shared machine one thread that owns a core beats two that wait for
-    each other in every parallel region. The load generator keeps every CPU."""
-    with contextlib.ExitStack() as stack:
-        before = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, cpus or before)
-        try:
-            url = stack.enter_context(running_server(serve_args, log))
-        finally:
-            os.sched_setaffinity(0, before)
-        yield url
-
-
-def thrash(args, tmp: Path) -> TunedRun:
-    # 13 MiB of float32 KV: 18 blocks of 16 tokens, two sequences at 12 + 96 tokens.
-    serve = ["--max-num-seqs", "16", "--kv-cache-memory", "13MiB", "--swap-space", "0.02",
-             "--dtype", "float32", "--max-model-len", "256", "--admin-token", TOKEN]  # fmt: skip
-    with server(serve, tmp / "thrash-serve.log", args.server_cpus) as url:
-        load = start_load(url, argparse.Namespace(**{**vars(args), "concurrency": 16}), tmp, "96")
-        try:
-            # Memory is the question here, not latency: a target no step misses.
-            spec = tuning_spec(16, args, 1, 16, itl_target=60.0)
-            return asyncio.run(tuned_run(url, spec, 16, args.thrash_seconds, args))
-        finally:
-            stop_load(load, url)
-
-
-# --------------------------------------------------------------------------- report
-
-
-def summarize(points: list[Measured], run: TunedRun, thrash_run: TunedRun, args) -> dict:
-    feasible = [p for p in points if p.itl_p99 is not None and p.itl_p99 <= args.itl_target]
-    best = max(feasible, key=lambda p: p.tokens_per_second, default=None)
-
-    def fraction(m: Measured | None) -> float | None:
-        return round(m.tokens_per_second / best.tokens_per_second, 3) if m and best else None
-
-    bound = TuneLimits().thrash_per_minute
-    after = thrash_run.converged
+        if hog is not None:
+            hog.set(False)
+        await load.stop()
+    await wait_idle(url)
     return {
-        "best_fixed": asdict(best) if best else None,
-        "tuned_fraction_of_best_converged": fraction(run.converged),
-        "tuned_fraction_of_best_whole_run": fraction(run.whole_run),
-        "decisions_to_converge": len(run.decisions),
-        "thrash_decisions": len(thrash_run.decisions),
-        "thrash_recovered": bool(after and after.preemptions_per_minute <= bound),
-        "thrash_preemptions_per_minute_before": thrash_run.first_window
-        and round(thrash_run.first_window.preemptions_per_minute, 1),
-        "thrash_preemptions_per_minute_after": after and round(after.preemptions_per_minute, 1),
+        "start": start, "t0": t0, "t1": t1, "decisions": decisions, "timeline": timeline,
+        "apply_failures": apply_failures, "final_max_num_seqs": settings.max_num_seqs,
+        "load": load, "measuring": measuring,
+    }  # fmt: skip
+
+
+async def tuned_arm(url: str, args) -> dict:
+    spec = tuning_spec(args.start, args, min(args.values), max(args.values))
+    run = await looped(url, args.start, args.tuned_seconds, args, spec, args.concurrency,
+                       args.output_lens)  # fmt: skip
+    load, measuring, t0, t1 = run.pop("load"), run.pop("measuring"), run["t0"], run["t1"]
+    return {
+        "arm": "T",
+        "max_num_seqs": run["final_max_num_seqs"],
+        **measured(load, measuring, t1 - args.measure, t1, args),
+        "whole_run": measured(load, measuring, t0 + args.warmup, t1, args),
+        **run,
     }
 
 
-def plot(points: list[Measured], run: TunedRun, args, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    xs = [p.max_num_seqs for p in points]
-    left.plot(xs, [p.tokens_per_second for p in points], "o-", label="fixed: tokens/s")
-    if run.converged:
-        left.axhline(run.converged.tokens_per_second, color="C2", ls="--",
-                     label=f"tuned from {run.start}, after convergence")  # fmt: skip
-    left.set_xlabel("max_num_seqs")
-    left.set_ylabel("generation tokens/s")
-    left.set_xscale("log", base=2)
-    itl = left.twinx()
-    itl.plot(xs, [p.itl_p99 or 0 for p in points], "s:", color="C3", label="fixed: ITL P99")
-    itl.axhline(args.itl_target, color="C3", lw=0.8, label="ITL target")
-    itl.set_ylabel("ITL P99 (s)")
-    left.legend(loc="upper left", fontsize=8)
-    itl.legend(loc="lower right", fontsize=8)
-    left.set_title("fixed max_num_seqs sweep against the tuner")
-    ts = [p["time"] for p in run.timeline]
-    right.step(ts, [p["max_num_seqs"] for p in run.timeline], where="post", label="max_num_seqs")
-    right.set_xlabel("seconds")
-    right.set_ylabel("max_num_seqs")
-    rate = right.twinx()
-    rate.plot(ts, [p["tokens_per_second"] or 0 for p in run.timeline], color="C1", alpha=0.7,
-              label="tokens/s (loop window)")  # fmt: skip
-    rate.set_ylabel("generation tokens/s")
-    right.legend(loc="upper left", fontsize=8)
-    rate.legend(loc="lower right", fontsize=8)
-    right.set_title("the tuned run")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+async def arms(url: str, args) -> list[dict]:
+    out = []
+    for r in range(args.repeats):
+        for arm in [*args.values, "T"]:
+            lavg = load_average()
+            m = await (tuned_arm(url, args) if arm == "T" else fixed_arm(url, arm, args))
+            m |= {"repeat": r, "load_average_before": lavg}
+            pr, ls = m["per_request"], m["loop_score"] or {}
+            log(f"repeat {r} arm {arm} (max_num_seqs {m['max_num_seqs']}): goodput "
+                f"{pr['goodput_tokens_per_second']:.1f} per request, "
+                f"{ls.get('goodput_tokens_per_second', 0):.1f} as the loop scores it; "
+                f"throughput {pr['tokens_per_second']:.1f} tok/s; load {lavg}")  # fmt: skip
+            out.append(m)
+    return out
 
 
-def simulate(path: Path) -> None:
-    """The docs' scenario (docs/tuning.md): one replica whose KV cache holds ten long
-    sequences, max_num_seqs 48, fp8 allowed, autoscaling on; quiet, then 4x the load for an
-    hour, then back down. The real loop every 15 s, 2.5 hours of simulated time."""
-    import matplotlib
+def phases(run: dict, args) -> dict:
+    """Before the first decision, and after the last verdict (from --warmup s after it)."""
+    load, measuring, t0, t1 = run["load"], run["measuring"], run["t0"], run["t1"]
+    decisions = run["decisions"]
+    first = t0 + (decisions[0]["time"] if decisions else t1 - t0)
+    last = t0 + (decisions[-1]["time"] if decisions else 0.0) + args.warmup
+    out = {"before_first_decision": measured(load, measuring, t0 + args.warmup, first, args)}
+    if t1 - last >= 10:
+        out["after_last_verdict"] = measured(load, measuring, last, t1, args)
+    return out
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    from batchpilot.operator import sim
+@contextlib.contextmanager
+def server(serve_args: list[str], log_path: Path, cpus: set[int]):
+    """running_server started on ``cpus`` (the engine sizes its torch threads to its
+    affinity); this process goes back to its own CPUs for the load and the loop."""
+    with contextlib.ExitStack() as stack:
+        with affinity(cpus):
+            url = stack.enter_context(running_server(serve_args, log_path))
+        yield url
 
-    spec = parse_spec(
-        {"engine": {"maxNumSeqs": 48},
-         "autoscaling": {"enabled": True, "maxReplicas": 6},
-         "tuning": {"enabled": True, "allowFP8KVCache": True,
-                    "maxNumSeqs": {"min": 4, "max": 64}, "targetInterTokenLatencySeconds": 0.5}}
-    )  # fmt: skip
-    load = sim.Workload(lambda t: 0.6 if t < 2400 else (2.4 if t < 6000 else 1.0), 2.4)
-    result = sim.ServiceSim(spec, sim.ReplicaConfig(kv_cache_bytes=240 * 368_640)).run(load, 9000)
-    tr = result.trace
-    minutes = [p.time / 60 for p in tr]
-    fig, axes = plt.subplots(4, 1, figsize=(10, 9), sharex=True)
-    axes[0].plot(minutes, [p.offered_per_second for p in tr], label="offered requests/s")
-    queue = axes[0].twinx()
-    queue.plot(minutes, [p.waiting for p in tr], color="C3", lw=0.8, label="queue (waiting)")
-    axes[0].legend(loc="upper left", fontsize=8)
-    queue.legend(loc="upper right", fontsize=8)
-    axes[1].step(minutes, [p.desired_replicas for p in tr], where="post", label="desired")
-    axes[1].step(minutes, [p.ready_replicas for p in tr], where="post", ls="--", label="Ready")
-    axes[1].set_ylabel("replicas")
-    axes[1].legend(loc="upper left", fontsize=8)
-    axes[2].step(minutes, [p.max_num_seqs for p in tr], where="post", color="C2")
-    axes[2].set_ylabel("max_num_seqs")
-    axes[3].step(minutes, [1 if p.kv_cache_dtype.startswith("fp8") else 0 for p in tr],
-                 where="post", color="C4", label="KV fp8 (1) / auto (0)")  # fmt: skip
-    rate = axes[3].twinx()
-    per_min = [0] + [
-        (b.preemptions - a.preemptions) * 60 / (b.time - a.time) for a, b in itertools.pairwise(tr)
-    ]
-    rate.plot(minutes, per_min, color="C3", lw=0.8, label="preemptions/min")
-    axes[3].legend(loc="upper left", fontsize=8)
-    rate.legend(loc="upper right", fontsize=8)
-    axes[3].set_xlabel("simulated minutes")
-    for t, _, _ in result.events:
-        for ax in axes:
-            ax.axvline(t / 60, color="grey", lw=0.4, alpha=0.5)
-    axes[0].set_title(
-        "operator/sim.py: the closed loop on a memory-tight replica under a load step"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    for t, reason, message in result.events:
-        print(f"{t / 60:6.1f} min  {reason}: {message}")
+
+async def thrash(args, tmp: Path, cpus: set[int]) -> dict:
+    # 13 MiB of float32 KV: 18 blocks of 16 tokens, two sequences at 12 + 96 tokens.
+    serve = ["--max-num-seqs", "16", "--kv-cache-memory", "13MiB", "--swap-space", "0.02",
+             "--dtype", "float32", "--max-model-len", "256", "--admin-token", TOKEN]  # fmt: skip
+    with server(serve, tmp / "thrash-serve.log", cpus) as url:
+        spec = tuning_spec(16, args, 1, 16)
+        run = await looped(url, 16, args.thrash_seconds, args, spec, args.thrash_concurrency,
+                           (96,))  # fmt: skip
+    out = phases(run, args)
+    run.pop("load"), run.pop("measuring")
+    return {**out, **run, "concurrency": args.thrash_concurrency, "output_len": 96}
+
+
+def hog_schedule(args):
+    """Off for the first --hog-period s (a baseline), then on and off in turns."""
+    return lambda t: int(t // args.hog_period) % 2 == 1
+
+
+async def noisy(url: str, start: int, args, cpus: set[int]) -> dict:
+    spec = tuning_spec(start, args, min(args.values), max(args.values))
+    hog = Hog(cpus)
+    try:
+        run = await looped(url, start, args.noisy_seconds, args, spec, args.concurrency,
+                           args.output_lens, (hog, hog_schedule(args)))  # fmt: skip
+    finally:
+        hog.close()
+    load, measuring, t0, t1 = run.pop("load"), run.pop("measuring"), run["t0"], run["t1"]
+    on = hog_schedule(args)
+    spans = []  # (start, end, hog on?) relative to t0
+    edge = 0.0
+    while edge < t1 - t0:
+        end = min(t1 - t0, edge + args.hog_period)
+        spans.append((edge, end, on(edge)))
+        edge = end
+    by_phase = [
+        {**measured(load, measuring, t0 + a, t0 + b, args), "from": a, "to": b, "hog": h}
+        for a, b, h in spans if b - a >= 10
+    ]  # fmt: skip
+    return {**run, "phases": by_phase, "hog_period_s": args.hog_period}
+
+
+# --------------------------------------------------------------------------- main
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--values", type=lambda s: [int(v) for v in s.split(",")], default=[2, 4, 8, 16, 24, 32]
-    )
-    p.add_argument("--start", type=int, default=2)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--output-lens", default="64,128")
-    p.add_argument("--prompt-repeats", default="1,5,20")
-    p.add_argument("--itl-target", type=float, default=None,
-                   help="seconds, ITL P99 (default: the sweep's median ITL P99, so that the "
-                   "target binds: about half the swept values meet it)")  # fmt: skip
-    p.add_argument("--cooldown", type=int, default=30)
-    p.add_argument("--window", type=float, default=60.0, help="the loop's metrics window, s")
-    p.add_argument("--min-window", type=float, default=30.0,
-                   help="least observation after a change before the tuner judges it, s")  # fmt: skip
-    p.add_argument("--warmup", type=float, default=10.0)
-    p.add_argument("--measure", type=float, default=40.0)
-    p.add_argument("--tuned-seconds", type=float, default=180.0)
-    p.add_argument("--thrash-seconds", type=float, default=150.0)
-    p.add_argument("--result-dir", type=Path, default=Path(__file__).parent / "results")
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: one repeat, two values, short phases")  # fmt: skip
+    slo = p.add_argument_group("the service's targets (spec.slo), fixed before the sweep")
+    slo.add_argument("--ttft-target", type=float, default=10.0, help="TTFT, seconds")
+    slo.add_argument("--itl-target", type=float, default=0.5,
+                     help="inter-token latency, seconds: the loop reads its P99 over the gaps; "
+                     "per request the mean TPOT is held to it")  # fmt: skip
+    w = p.add_argument_group("load and arms")
+    w.add_argument("--values", type=ints, default=[8, 16, 32, 48])
+    w.add_argument("--start", type=int, default=8, help="the tuned run's starting value")
+    w.add_argument("--repeats", type=int, default=3)
+    w.add_argument("--concurrency", type=int, default=48, help="closed-loop clients")
+    w.add_argument("--output-lens", type=ints, default=[64, 128])
+    w.add_argument("--prompt-repeats", type=ints, default=[1, 5, 20])
+    w.add_argument("--warmup", type=float, default=10.0)
+    w.add_argument("--measure", type=float, default=45.0)
+    w.add_argument("--tuned-seconds", type=float, default=200.0)
+    w.add_argument("--thrash-seconds", type=float, default=180.0)
+    w.add_argument("--thrash-concurrency", type=int, default=8)
+    w.add_argument("--noisy-seconds", type=float, default=300.0)
+    w.add_argument("--noisy-start", type=int, default=None,
+                   help="default: the fixed value with the best mean goodput")  # fmt: skip
+    w.add_argument("--hog-period", type=float, default=60.0, help="hog off, then on, each s")
+    lp = p.add_argument_group("the loop (TuneLimits and spec.tuning, shortened for a bench)")
+    lp.add_argument("--cooldown", type=int, default=20)
+    lp.add_argument("--window", type=float, default=60.0, help="the loop's metrics window, s")
+    lp.add_argument("--min-window", type=float, default=20.0,
+                    help="TuneLimits.min_window_seconds (default 30)")  # fmt: skip
+    lp.add_argument("--min-samples", type=int, default=200,
+                    help="TuneLimits.min_latency_samples (default 500)")  # fmt: skip
+    lp.add_argument("--retry", type=float, default=120.0,
+                    help="TuneLimits.retry_seconds (default 900); max_retry is 8x")  # fmt: skip
+    lp.add_argument("--max-experiment", type=float, default=120.0,
+                    help="TuneLimits.max_experiment_seconds (default 900)")  # fmt: skip
     p.add_argument("--server-cpus", type=lambda s: {int(c) for c in s.split(",")}, default=None,
-                   help="CPUs to pin the server to, e.g. 1 (default: all)")  # fmt: skip
-    p.add_argument("--simulate", type=Path, metavar="PNG",
-                   help="only draw the simulator scenario of docs/tuning.md into PNG")  # fmt: skip
-    return p.parse_args(argv)
+                   help="CPUs to pin the server to (default: the last); the load generator "
+                   "and the loop get the others")  # fmt: skip
+    p.add_argument("--skip", type=lambda s: set(s.split(",")), default=set(),
+                   help="phases to skip: thrash,noisy")  # fmt: skip
+    p.add_argument("--result-dir", type=Path, default=Path(__file__).parent / "results")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.values, args.repeats, args.start = args.values[:1] + args.values[-1:], 1, args.start
+        args.warmup, args.measure, args.tuned_seconds = 5.0, 20.0, 60.0
+        args.thrash_seconds, args.noisy_seconds, args.hog_period = 60.0, 60.0, 20.0
+    return args
+
+
+async def run(args, tmp: Path, server_cpus: set[int], bench_cpus: set[int]) -> dict:
+    out: dict = {}
+    serve = ["--max-model-len", "512", "--admin-token", TOKEN, "--max-num-seqs", str(args.start)]
+    with server(serve, tmp / "serve.log", server_cpus) as url:
+        out["arms"] = await arms(url, args)
+        fixed = report.per_arm(out["arms"])
+        best = max((a for a in fixed if a["arm"] != "T"),
+                   key=lambda a: a["goodput"]["mean"])  # fmt: skip
+        if "noisy" not in args.skip:
+            start = args.noisy_start or int(best["arm"])
+            log(f"noisy neighbour from max_num_seqs {start}")
+            out["noisy"] = await noisy(url, start, args, server_cpus)
+    if "thrash" not in args.skip:
+        log("thrash")
+        out["thrash"] = await thrash(args, tmp, server_cpus)
+    return out
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.simulate:
-        simulate(args.simulate)
-        return 0
+    server_cpus, bench_cpus = split_cpus(args.server_cpus)
+    os.sched_setaffinity(0, bench_cpus)
     date = time.strftime("%Y%m%d-%H%M%S")
-    tmp = Path(tempfile.mkdtemp(prefix="bench-tune-"))  # server logs and load results
-    serve = ["--max-model-len", "512", "--admin-token", TOKEN, "--max-num-seqs", str(args.start)]
-    with server(serve, tmp / "serve.log", args.server_cpus) as url:
-        points = sweep(url, args, tmp)
-        if args.itl_target is None:
-            itls = sorted(p.itl_p99 for p in points if p.itl_p99 is not None)
-            args.itl_target = math.ceil(itls[(len(itls) - 1) // 2] * 1000) / 1000  # whole ms, up
-            print(f"ITL P99 target: {args.itl_target} s (the sweep's median)", flush=True)
-        run = tuned(url, args, tmp)
-    thrash_run = thrash(args, tmp)
-    summary = summarize(points, run, thrash_run, args)
-    print(json.dumps(summary, indent=2))
-    out = {"date": date, "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-           "sweep": [asdict(p) for p in points], "tuned": asdict(run), "thrash": asdict(thrash_run)}  # fmt: skip
-    (args.result_dir / f"tune-{date}.json").write_text(json.dumps(out, indent=2))
-    plot(points, run, args, args.result_dir / f"tune-{date}.png")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-tune-"))  # server logs
+    started, lavg0 = time.time(), load_average()
+    log(f"server on CPUs {sorted(server_cpus)}, load and loop on {sorted(bench_cpus)}; "
+        f"load average {lavg0}; logs in {tmp}")  # fmt: skip
+    results = asyncio.run(run(args, tmp, server_cpus, bench_cpus))
+    out = {
+        "date": date,
+        "wall_seconds": round(time.time() - started),
+        "machine": {"lscpu": lscpu(), "server_cpus": sorted(server_cpus),
+                    "bench_cpus": sorted(bench_cpus), "load_average_start": lavg0,
+                    "load_average_end": load_average()},
+        "slo": {"ttft_seconds": args.ttft_target, "itl_seconds": args.itl_target},
+        "limits": asdict(limits(args)),
+        "args": {k: sorted(v) if isinstance(v, set) else (str(v) if isinstance(v, Path) else v)
+                 for k, v in vars(args).items()},
+        "summary": report.summary(results, args),
+        **results,
+    }  # fmt: skip
+    print(json.dumps(out["summary"], indent=2))
+    suffix = "-quick" if args.quick else ""
+    path = args.result_dir / f"tune-{date}{suffix}.json"
+    path.write_text(json.dumps(out, indent=2))
+    report.plot(out, args.result_dir / f"tune-{date}{suffix}.png")
+    log(f"wrote {path}")
     return 0
 
 

@@ -8,8 +8,6 @@ from collections.abc import Iterable
 
 import aiohttp
 
-from batchpilot import names
-
 ADMIN_TIMEOUT_SECONDS = 5.0
 PATH = "/admin/config"
 
@@ -29,16 +27,16 @@ class AdminClient:
         """PATCH live knobs (names.LIVE_KNOBS); the answer is the config now in force."""
         return await self._call("PATCH", url, token, changes)
 
-    async def set_max_num_seqs(
-        self, urls: Iterable[str], token: str, value: int
+    async def set_live(
+        self, urls: Iterable[str], token: str, changes: dict
     ) -> dict[str, str | None]:
-        """Set max_num_seqs on every replica at once: URL -> None, or why it failed."""
+        """PATCH the same live changes to every replica at once: URL -> None when each key
+        is answered back in force with exactly the value sent, else why not."""
         urls = list(urls)
         results = await asyncio.gather(
-            *(self.patch_config(u, token, {names.MAX_NUM_SEQS.name: value}) for u in urls),
-            return_exceptions=True,
+            *(self.patch_config(u, token, changes) for u in urls), return_exceptions=True
         )
-        return {u: _failure(r, value) for u, r in zip(urls, results, strict=True)}
+        return {u: _failure(r, changes) for u, r in zip(urls, results, strict=True)}
 
     async def _call(self, method: str, url: str, token: str, body: dict | None = None) -> dict:
         headers = {"Authorization": f"Bearer {token}"}
@@ -56,10 +54,13 @@ class AdminClient:
             raise AdminError(f"{method} {url}{PATH}: {type(e).__name__}: {e}") from e
 
 
-def _failure(result: object, value: int) -> str | None:
+def _failure(result: object, changes: dict) -> str | None:
     if isinstance(result, BaseException):
         if not isinstance(result, AdminError):
             raise result
         return str(result)
-    in_force = result.get(names.MAX_NUM_SEQS.name) if isinstance(result, dict) else None
-    return None if in_force == value else f"answered {names.MAX_NUM_SEQS.name}={in_force}"
+    in_force = result if isinstance(result, dict) else {}
+    # A replica may answer 200 yet hold another value (an older server, or one that
+    # adjusted it): only what it reports in force counts.
+    wrong = [f"{k}={in_force.get(k)}" for k, v in changes.items() if in_force.get(k) != v]
+    return f"answered {', '.join(wrong)}" if wrong else None

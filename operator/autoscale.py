@@ -11,8 +11,9 @@ Requests in the system do not shrink in proportion to replicas: fewer replicas r
 batches, and a bigger batch steps slower (Little's law with a service time that grows with
 the batch). So a scale-down must also pass a throughput test: the tokens per second the
 service generates now, shared by fewer replicas, must stay under 90% of what one replica
-was measured to sustain while it had a queue (``capacity``, kept in status). Without that
-figure a scale-down relies on slots alone; the first saturation measures it.
+was measured to sustain while it had a queue (``capacity``, kept in status per engine
+settings: a figure measured at max_num_seqs 8 says nothing about 32). Without a figure for
+the settings in force a scale-down relies on slots alone; the first saturation measures it.
 
 Around it, Kubernetes HPA semantics: a recommendation within a 10% tolerance of the current
 count changes nothing; scale up to the lowest recommendation of the last
@@ -65,8 +66,12 @@ class ScaleHistory:
     """What the law remembers between decisions (status.autoscaling keeps it)."""
 
     recommendations: tuple[Recommendation, ...] = ()
-    capacity: float | None = None  # generation tokens/s one replica sustained with a queue
+    # Generation tokens/s one replica sustained with a queue, per EngineSettings.key.
+    capacities: tuple[tuple[str, float], ...] = ()
     last_scale_up: float | None = None
+
+    def capacity(self, settings: str) -> float | None:
+        return dict(self.capacities).get(settings)
 
 
 @dataclass(frozen=True)
@@ -90,14 +95,23 @@ def _slots_per_replica(window: Window) -> float | None:
     return slots
 
 
-def measured_capacity(window: Window | None, previous: float | None) -> float | None:
-    """A replica's sustainable generation rate, measured whenever the replicas had a queue
-    over the whole window (then they generate as fast as they can); else the last figure."""
+CAPACITIES_KEPT = 8  # settings whose capacity figure is remembered
+
+
+def measured_capacities(
+    window: Window | None, history: ScaleHistory, settings: str
+) -> tuple[tuple[str, float], ...]:
+    """A replica's sustainable generation rate under ``settings``, measured whenever the
+    replicas had a queue over the whole window (then they generate as fast as they can);
+    else the figures kept."""
     if window is None or window.replicas == 0:
-        return previous
+        return history.capacities
     saturated = window.per_replica(window.waiting) >= SATURATED_QUEUE
     rate = window.per_replica(window.generation_tokens_per_second)
-    return rate if saturated and rate > 0 else previous
+    if not (saturated and rate > 0):
+        return history.capacities
+    others = tuple((k, v) for k, v in history.capacities if k != settings)
+    return (*others, (settings, rate))[-CAPACITIES_KEPT:]
 
 
 def recommend(
@@ -155,9 +169,11 @@ def decide_replicas(
     current: int,
     now: float,
     history: ScaleHistory = ScaleHistory(),
+    settings: str = "",
 ) -> ScaleDecision:
-    capacity = measured_capacity(window, history.capacity)
-    raw, why = recommend(window, spec, current, capacity)
+    """``settings``: the key of the engine settings in force (EngineSettings.key)."""
+    capacities = measured_capacities(window, history, settings)
+    raw, why = recommend(window, spec, current, dict(capacities).get(settings))
     # A service seen for the first time has its current count as the only recommendation
     # so far: a first burst waits out the up-window like any other.
     recommendations = history.recommendations or (Recommendation(current, now),)
@@ -190,4 +206,4 @@ def decide_replicas(
         reason += f"; held within [{spec.min_replicas}, {spec.max_replicas}]"
     if bounded > current:
         last_up = now
-    return ScaleDecision(bounded, reason, raw, ScaleHistory(kept, capacity, last_up))
+    return ScaleDecision(bounded, reason, raw, ScaleHistory(kept, capacities, last_up))

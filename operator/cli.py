@@ -20,6 +20,11 @@ from batchpilot.operator.config import DEFAULT_SERVER_IMAGE, OperatorConfig, env
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 
 
+def _url_list(text: str) -> list[str]:
+    """A comma-separated flag value -> its non-empty URLs."""
+    return [u.strip() for u in text.split(",") if u.strip()]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "action",
@@ -81,11 +86,19 @@ def _config_arguments(run: argparse._ArgumentGroup) -> None:
     )
     run.add_argument(
         "--metrics-urls",
-        type=lambda v: [u.strip() for u in v.split(",") if u.strip()],
+        type=_url_list,
         default=None,
         metavar="URL,...",
         help="scrape and tune these replica base URLs instead of the Ready pods "
         f"(servers outside the cluster, tests; ${env_var('metrics_urls')})",
+    )
+    run.add_argument(
+        "--admin-urls",
+        type=_url_list,
+        default=None,
+        metavar="URL,...",
+        help="the admin API's base URL of each --metrics-urls URL, in the same order "
+        f"(default: each one's host on port 8001; ${env_var('admin_urls')})",
     )
     run.add_argument(
         "--liveness",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from batchpilot import __version__
@@ -37,16 +37,29 @@ class OperatorConfig(BaseSettings):
     """Replica base URLs (http://host:port) the loop scrapes and tunes instead of the
     service's Ready pods, for every InferenceService: servers outside the cluster, tests.
     Comma-separated in the environment."""
+    admin_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """The admin API's base URL of each of metrics_urls, in the same order. Default: each
+    metrics URL's host on the admin port (8001)."""
+    admin_key: SecretStr | None = None
+    """The key every service's admin token is derived from (HMAC of the key and the
+    object's namespace, name and uid). Environment only (BATCHPILOT_ADMIN_KEY, from a
+    Secret: the chart's), never a flag. Unset: a random key per process."""
     liveness: str | None = None
     """Serve /healthz (liveness) and /metrics (the operator's own metrics) at this URL's
     host and port, e.g. http://0.0.0.0:8080/healthz."""
 
-    @field_validator("metrics_urls", mode="before")
+    @field_validator("metrics_urls", "admin_urls", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
         if isinstance(value, str):
             return [u.strip() for u in value.split(",") if u.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _paired(self) -> OperatorConfig:
+        if self.admin_urls and len(self.admin_urls) != len(self.metrics_urls):
+            raise ValueError("admin_urls must name one URL per metrics URL")
+        return self
 
     @classmethod
     def from_env(cls, **flags) -> OperatorConfig:

@@ -30,6 +30,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from batchpilot import names
+from batchpilot.operator import flags
 
 GROUP = "batchpilot.dev"
 VERSION = "v1alpha1"
@@ -203,9 +204,16 @@ class EngineSpec(_Camel):
         default_factory=list, max_length=64
     )
     """More `batchpilot serve` flags, appended as given. Flags the operator derives from
-    this spec (model, engine settings, port, shutdown timeout) may not be repeated here."""
+    this spec (model, engine settings, ports, shutdown timeout, admin token) may not be set
+    here, nor abbreviated."""
 
     rules = (
+        Rule(
+            cel=flags.EXTRA_ARGS_CEL,
+            message=flags.EXTRA_ARGS_MESSAGE,
+            check=lambda e: not any(flags.overrides_managed(a) for a in e.extra_args),
+            field_path=".extraArgs",
+        ),
         Rule(
             cel="!has(self.maxNumBatchedTokens) || !has(self.maxModelLen) || "
             "self.enableChunkedPrefill || self.maxNumBatchedTokens >= self.maxModelLen",
@@ -294,18 +302,52 @@ class IntRange(_Camel):
     )
 
 
+class TokenRange(_Camel):
+    """Bounds of a step budget, in tokens."""
+
+    min: int = Field(ge=1, le=1 << 20)
+    max: int = Field(ge=1, le=1 << 20)
+
+    rules = (
+        Rule(
+            cel="self.min <= self.max",
+            message="tuning.maxNumBatchedTokens.min must be <= tuning.maxNumBatchedTokens.max",
+            check=lambda r: r.min <= r.max,
+        ),
+    )
+
+
 class TuningSpec(_Camel):
-    """The online tuner of max_num_seqs and the KV-cache dtype."""
+    """The online tuner of max_num_seqs, max_num_batched_tokens and the KV-cache dtype."""
 
     enabled: bool = False
     max_num_seqs: IntRange = Field(default_factory=IntRange)
     """Bounds the tuner keeps max_num_seqs within."""
+    max_num_batched_tokens: TokenRange | None = Field(
+        None, alias=names.MAX_NUM_BATCHED_TOKENS.crd_field
+    )
+    """Bounds the tuner keeps the step budget (max_num_batched_tokens) within; it changes
+    live. Pods start with the max (the budget the engine profiles its memory at) and get the
+    tuned value once up. Default: not tuned."""
     allow_fp8_kv_cache: bool = Field(False, alias="allowFP8KVCache")
-    """May the tuner switch the KV cache to fp8 when memory-bound (a rolling restart)."""
+    """May the tuner switch the KV cache to fp8 and back: to fp8 when memory-bound, back
+    when fp8 does not pay (each switch is a rolling restart)."""
     target_inter_token_latency_seconds: float = Field(0.1, gt=0, le=60)
-    """P99 inter-token latency above this lowers max_num_seqs."""
+    """P99 inter-token latency above this lowers max_num_seqs.
+    spec.slo.interTokenLatencySeconds, when set, takes precedence."""
     cooldown_seconds: int = Field(120, ge=0, le=86400)
     """Least time between two tuning decisions."""
+
+
+class SLOSpec(_Camel):
+    """The service's latency targets. Goodput counts the tokens of the requests that meet
+    both."""
+
+    time_to_first_token_seconds: float = Field(2.0, gt=0, le=600)
+    """Time to first token a request should see, at most."""
+    inter_token_latency_seconds: float | None = Field(None, gt=0, le=60)
+    """Time between two output tokens a request should see, at most. Default:
+    tuning.targetInterTokenLatencySeconds."""
 
 
 class Toleration(_Camel):
@@ -326,22 +368,84 @@ class LocalObjectReference(_Camel):
     name: str
 
 
+# The volume sources the restricted Pod Security Standard admits: hostPath and the other
+# node-level sources are refused by the CRD, whatever the namespace enforces.
+VOLUME_SOURCES = (
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "image",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+)
+# A core/v1 Volume with only these sources declared: any other source (hostPath...) is an
+# unknown field, refused by strict field validation or pruned, and then the volume has no
+# source and fails the rule below. The API server validates each source's body when the
+# operator applies the Deployment.
+Volume = Annotated[
+    dict[str, Any],
+    K8sSchema(
+        {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "maxLength": 63},
+                **{
+                    s: {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                    for s in VOLUME_SOURCES
+                },
+            },
+        }
+    ),
+]
+_ONE_VOLUME_SOURCE_CEL = (
+    "[" + ", ".join(f"has(v.{s})" for s in VOLUME_SOURCES) + "].filter(b, b).size() == 1"
+)
+
+
+def _one_allowed_source(volume: dict) -> bool:
+    keys = set(volume) - {"name"}
+    return len(keys) == 1 and keys <= set(VOLUME_SOURCES)
+
+
 class PodSpec(_Camel):
-    """Pass-through settings of the server pods (core/v1 names and shapes)."""
+    """Pass-through settings of the server pods (core/v1 names and shapes). The security
+    context is the operator's (the restricted Pod Security Standard) and cannot be set."""
 
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
     affinity: Opaque | None = None
     env: list[EnvVar] = Field(default_factory=list, max_length=128)
     service_account_name: DNS1123Subdomain | None = None
+    """A ServiceAccount of the namespace for the pods. Only one labelled
+    batchpilot.dev/inference-server=allowed: whoever may label ServiceAccounts decides which
+    ones InferenceServices may run as. Default: the namespace's default, with no API token
+    mounted."""
     annotations: dict[str, str] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
     image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list, max_length=16)
     priority_class_name: str | None = None
-    volumes: list[Opaque] = Field(default_factory=list, max_length=64)
-    """Extra volumes, e.g. a Hugging Face cache for hf:// sources."""
+    volumes: list[Volume] = Field(default_factory=list, max_length=64)
+    """Extra volumes, e.g. a Hugging Face cache for hf:// sources: configMap, csi,
+    downwardAPI, emptyDir, ephemeral, image, persistentVolumeClaim, projected or secret
+    (what the restricted Pod Security Standard admits; never hostPath)."""
     volume_mounts: list[Opaque] = Field(default_factory=list, max_length=64)
     """Mounts of the extra volumes into the server container."""
+
+    rules = (
+        Rule(
+            cel=f"!has(self.volumes) || self.volumes.all(v, {_ONE_VOLUME_SOURCE_CEL})",
+            message="pod.volumes: each volume needs exactly one source, of "
+            + ", ".join(VOLUME_SOURCES)
+            + " (the restricted Pod Security Standard's list; hostPath and other node "
+            "volumes are refused)",
+            check=lambda p: all(_one_allowed_source(v) for v in p.volumes),
+            field_path=".volumes",
+        ),
+    )
 
 
 class ResourceRequirements(_Camel):
@@ -364,6 +468,7 @@ class InferenceServiceSpec(_Camel):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     server: ServerSpec = Field(default_factory=ServerSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    slo: SLOSpec = Field(default_factory=SLOSpec)
     tuning: TuningSpec = Field(default_factory=TuningSpec)
     pod: PodSpec = Field(default_factory=PodSpec)
 
@@ -378,7 +483,45 @@ class InferenceServiceSpec(_Camel):
                 or s.tuning.max_num_seqs.min <= s.engine.max_num_seqs <= s.tuning.max_num_seqs.max
             ),
         ),
+        Rule(
+            cel="!has(self.tuning.maxNumBatchedTokens) || !has(self.engine.maxNumBatchedTokens)"
+            " || (self.tuning.maxNumBatchedTokens.min <= self.engine.maxNumBatchedTokens"
+            " && self.engine.maxNumBatchedTokens <= self.tuning.maxNumBatchedTokens.max)",
+            message="engine.maxNumBatchedTokens must lie within "
+            "tuning.maxNumBatchedTokens.min..max",
+            check=lambda s: (
+                s.tuning.max_num_batched_tokens is None
+                or s.engine.max_num_batched_tokens is None
+                or s.tuning.max_num_batched_tokens.min
+                <= s.engine.max_num_batched_tokens
+                <= s.tuning.max_num_batched_tokens.max
+            ),
+        ),
+        Rule(
+            cel="!has(self.tuning.maxNumBatchedTokens) || self.engine.enableChunkedPrefill"
+            " || !has(self.engine.maxModelLen)"
+            " || self.tuning.maxNumBatchedTokens.min >= self.engine.maxModelLen",
+            message="tuning.maxNumBatchedTokens.min must be >= engine.maxModelLen unless "
+            "engine.enableChunkedPrefill is true: a full-length prompt would never fit in "
+            "one step",
+            check=lambda s: (
+                s.tuning.max_num_batched_tokens is None
+                or s.engine.enable_chunked_prefill
+                or s.engine.max_model_len is None
+                or s.tuning.max_num_batched_tokens.min >= s.engine.max_model_len
+            ),
+        ),
     )
+
+    @property
+    def itl_target_seconds(self) -> float:
+        """The inter-token latency target: spec.slo's, else the tuner's older field."""
+        slo = self.slo.inter_token_latency_seconds
+        return slo if slo is not None else self.tuning.target_inter_token_latency_seconds
+
+    @property
+    def ttft_target_seconds(self) -> float:
+        return self.slo.time_to_first_token_seconds
 
 
 # --------------------------------------------------------------------------- status

@@ -1,8 +1,9 @@
 """Thin kopf handlers around the pure builders (resources.py) and status (status.py).
 
 One idempotent function, ``Reconciler.reconcile``, does all the work for an
-InferenceService: validate the spec, build the children, server-side apply them under one
-field manager, and write the status. It runs on create, update and resume, on a timer
+InferenceService: validate the spec, build the children, check that every existing object of
+their names is its own (ownership.py), create or server-side apply them under one field
+manager, and write the status. It runs on create, update and resume, on a timer
 every ``reconcile_interval`` (drift correction), and when a child is deleted or edited by
 hand (watch events). A Deployment's status changes refresh the owner's status only.
 
@@ -12,8 +13,6 @@ the registry to ``kopf.run``; tests pass it to ``kopf.testing.KopfRunner``.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import logging
 import secrets
@@ -23,7 +22,7 @@ from typing import Any
 
 import kopf
 
-from batchpilot.operator import drift, probes, resources, status
+from batchpilot.operator import drift, ownership, probes, resources, status
 from batchpilot.operator.config import FIELD_MANAGER, FINALIZER, OperatorConfig
 from batchpilot.operator.crd import (
     GROUP,
@@ -85,6 +84,13 @@ class Reconciler:
     def __init__(self, config: OperatorConfig, kube: Kube | None = None):
         self.config = config
         self._kube = kube
+        if config.admin_key is None:
+            log.warning(
+                "no admin key (BATCHPILOT_ADMIN_KEY): a random one for this process, so the "
+                "admin tokens change, and the pods roll, at every operator restart"
+            )
+        key = config.admin_key.get_secret_value() if config.admin_key else None
+        self._admin_key = key.encode() if key else secrets.token_bytes(32)
         self._locks: dict[tuple[str, str], threading.RLock] = {}
         self._locks_guard = threading.Lock()
         # What the last apply wrote, per (namespace, kind, name) of each child: a watch event
@@ -139,7 +145,7 @@ class Reconciler:
             deployment, problem = self._build(Owner.from_body(body), spec, prev, logger)
             url = resources.service_url(name, ns, self.config.cluster_domain)
         if problem is not None:
-            deployment = self.kube.read("apps/v1", "Deployment", ns, name)
+            deployment = self.owned_deployment(Owner.from_body(body))
             url = prev.get("url") if deployment is not None else None
         new = status.compute_status(
             name=name,
@@ -154,24 +160,34 @@ class Reconciler:
     def _build(
         self, owner: Owner, spec: InferenceServiceSpec, prev: dict, logger
     ) -> tuple[dict | None, Problem | None]:
-        """Apply every child; (the live Deployment, None), or (None, the problem) when the
-        API server refuses them for good."""
+        """Write every child; (the live Deployment, None), or (None, the problem) when an
+        object of a child's name is someone else's or the API server refuses them for good."""
         children = resources.build_children(
             owner,
             spec,
             image=spec.image or self.config.server_image,
-            admin_token=self._admin_token(owner),
+            admin_token=self.admin_token(owner),
             loops=LoopState.from_status(prev),
         )
-        (deployment,) = [c for c in children if c["kind"] == "Deployment"]
+        (secret,) = [c for c in children if c["kind"] == "Secret"]
+        others = [c for c in children if c["kind"] != "Secret"]
         try:
+            found = {c["kind"]: self._read(c) for c in others}
+            conflicts = [
+                why
+                for c in others
+                if (why := ownership.conflict(c["kind"], found[c["kind"]], owner))
+            ]
+            if conflicts:
+                return None, Problem(status.NAME_CONFLICT, ownership.conflicts_message(conflicts))
             # A dry run of the Deployment first: the API server validates the pass-through
             # fields (affinity, volumes, env) before any child exists, so a bad spec never
             # leaves half-built children.
-            self.kube.apply(deployment, dry_run=True)
-            applied = {child["kind"]: self._apply(child, logger) for child in children}
-            for api_version, kind in resources.stale_kinds(spec):
-                self.kube.delete(api_version, kind, owner.namespace, owner.name)
+            (deployment,) = [c for c in others if c["kind"] == "Deployment"]
+            self._write(deployment, found["Deployment"], owner, logger, dry_run=True)
+            self._create_secret(secret)
+            written = {c["kind"]: self._write(c, found[c["kind"]], owner, logger) for c in others}
+            self._delete_stale(owner, spec)
         except ApiException as e:
             if e.status not in _PERMANENT_APPLY_STATUSES:
                 raise  # transient: kopf retries with backoff
@@ -179,12 +195,56 @@ class Reconciler:
             return None, Problem(reason, f"the API server rejected a child: {_api_message(e)}")
         for child in children:
             self._desired[(owner.namespace, child["kind"], child["metadata"]["name"])] = child
-        live = applied["Deployment"]
+        live = written["Deployment"]
         self._applied_generation[(owner.namespace, owner.name)] = live["metadata"]["generation"]
         return live, None
 
-    def _apply(self, child: dict, logger) -> dict:
-        live = self.kube.apply(child)
+    def _apply_pinned(self, child: dict, found: dict, dry_run: bool) -> dict:
+        pinned = {**child, "metadata": {**child["metadata"], **ownership.pin(found)}}
+        return self.kube.apply(pinned, dry_run=dry_run)
+
+    def _read(self, child: dict) -> dict | None:
+        meta = child["metadata"]
+        return self.kube.read(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
+
+    def _create_secret(self, secret: dict) -> None:
+        """Create the token's Secret where it is missing. The operator may not read Secrets:
+        one already there is taken to be this one, as no one else can know its name
+        (resources.secret_name), and is never changed (its content is fixed by its name)."""
+        try:
+            self.kube.create(secret)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+
+    def _delete_stale(self, owner: Owner, spec: InferenceServiceSpec) -> None:
+        """Delete the optional children the spec no longer asks for: only this object's own,
+        exactly as found (an object of that name made by someone else stays)."""
+        for api_version, kind in resources.stale_kinds(spec):
+            if not self.kube.serves(api_version, kind):
+                continue
+            live = self.kube.read(api_version, kind, owner.namespace, owner.name)
+            if live is not None and ownership.controlled_by(live, owner):
+                preconditions = ownership.delete_preconditions(live)
+                self.kube.delete(api_version, kind, owner.namespace, owner.name, preconditions)
+
+    def _write(
+        self, child: dict, found: dict | None, owner: Owner, logger, *, dry_run: bool = False
+    ) -> dict:
+        """Create a child that was not there, or apply over the one checked to be ours."""
+        if found is None:
+            return self.kube.create(child, dry_run=dry_run)
+        try:
+            live = self._apply_pinned(child, found, dry_run)
+        except ApiException as e:
+            # Changed since it was checked: most often a status update by its controller.
+            # Check again and apply once more; replaced or gone, the next round decides.
+            found = self._read(child) if e.status == 409 else None
+            if found is None or not ownership.controlled_by(found, owner):
+                raise
+            live = self._apply_pinned(child, found, dry_run)
+        if dry_run:
+            return live
         others = drift.foreign_managers(live, self.kube.field_manager)
         if others:
             # Server-side apply forced our fields back but kept what others added: replace
@@ -218,10 +278,18 @@ class Reconciler:
                 f"{claim!r} not found in namespace {ns!r}",
             )
         sa = spec.pod.service_account_name
-        if sa and not self.kube.service_account_exists(ns, sa):
+        account = self.kube.read_service_account(ns, sa) if sa else None
+        if sa and account is None:
             return spec, Problem(
                 status.SERVICE_ACCOUNT_NOT_FOUND,
                 f"spec.pod.serviceAccountName: ServiceAccount {sa!r} not found in namespace {ns!r}",
+            )
+        if account is not None and not resources.service_account_allowed(account):
+            return spec, Problem(
+                status.SERVICE_ACCOUNT_NOT_ALLOWED,
+                f"spec.pod.serviceAccountName: ServiceAccount {sa!r} is not labelled "
+                f"{resources.LABEL_SA_ALLOWED}=allowed (whoever manages it decides whether "
+                "InferenceServices may run as it)",
             )
         kind = resources.autoscaler_kind(spec)
         if kind and not self.kube.serves(*kind):
@@ -232,19 +300,15 @@ class Reconciler:
             )
         return spec, None
 
-    def read_admin_token(self, owner: Owner) -> str | None:
-        """The token in the owned Secret, if there is a readable one."""
-        secret = self.kube.read("v1", "Secret", owner.namespace, resources.secret_name(owner.name))
-        raw = ((secret or {}).get("data") or {}).get(resources.SECRET_TOKEN_KEY)
-        try:
-            return base64.b64decode(raw or "", validate=True).decode() or None
-        except (binascii.Error, UnicodeDecodeError):
-            return None
+    def admin_token(self, owner: Owner) -> str:
+        """The service's admin token, derived from the operator's key (never read back)."""
+        return resources.admin_token(self._admin_key, owner)
 
-    def _admin_token(self, owner: Owner) -> str:
-        """The token in the owned Secret, or a new one when there is none (first reconcile,
-        or the Secret was deleted: the pods then roll to the new token)."""
-        return self.read_admin_token(owner) or secrets.token_urlsafe(32)
+    def owned_deployment(self, owner: Owner) -> dict | None:
+        """The serving Deployment, if it is this InferenceService's (status and the loop
+        never describe or call someone else's)."""
+        dep = self.kube.read("apps/v1", "Deployment", owner.namespace, owner.name)
+        return dep if dep is not None and ownership.controlled_by(dep, owner) else None
 
     def _write_status(
         self, body: dict, prev: dict, new: dict, problem: Problem | None, logger
@@ -299,6 +363,8 @@ class Reconciler:
         body = self.kube.read_isvc(ns, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return
+        if not ownership.controlled_by(dep, Owner.from_body(body)):
+            return  # an earlier object's of that name, being garbage-collected
         generation = body["metadata"].get("generation", 1)
         prev = body.get("status") or {}
         new = status.compute_status(

@@ -94,14 +94,28 @@ class Kube:
 
     def apply(self, obj: dict, *, dry_run: bool = False) -> dict:
         """Server-side apply under the operator's field manager, forcing conflicts: fields
-        the operator sets are the operator's, whoever edited them since. A dry run only
-        validates (admission included) and persists nothing."""
+        the operator sets are the operator's, whoever edited them since. Only for an object
+        the operator controls: ``obj`` carries the resourceVersion it was checked at, so a
+        change since (a replacement included) fails with 409. A dry run only validates
+        (admission included) and persists nothing."""
         return self._call(
             "server_side_apply",
             self.resource(obj["apiVersion"], obj["kind"]),
             body=obj,
             field_manager=self.field_manager,
             force_conflicts=True,
+            dry_run="All" if dry_run else None,
+        )
+
+    def create(self, obj: dict, *, dry_run: bool = False) -> dict:
+        """Create, never overwrite: an object of that name made since it was found absent
+        fails with 409 AlreadyExists."""
+        return self._call(
+            "create",
+            self.resource(obj["apiVersion"], obj["kind"]),
+            body=obj,
+            namespace=obj["metadata"]["namespace"],
+            field_manager=self.field_manager,
             dry_run="All" if dry_run else None,
         )
 
@@ -125,13 +139,19 @@ class Kube:
                 return None
             raise
 
-    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
-        """Delete if present; whether something was deleted (a kind the API server does not
-        serve has nothing to delete)."""
-        if not self.serves(api_version, kind):
-            return False
+    def delete(
+        self, api_version: str, kind: str, namespace: str, name: str, preconditions: dict
+    ) -> bool:
+        """Delete if present and still as checked (``preconditions``: its uid and
+        resourceVersion; 409 otherwise); whether something was deleted."""
         try:
-            self._call("delete", self.resource(api_version, kind), name=name, namespace=namespace)
+            self._call(
+                "delete",
+                self.resource(api_version, kind),
+                name=name,
+                namespace=namespace,
+                body={"preconditions": preconditions},
+            )
         except ApiException as e:
             if e.status == 404:
                 return False
@@ -155,8 +175,8 @@ class Kube:
     def pvc_exists(self, namespace: str, name: str) -> bool:
         return self.read("v1", "PersistentVolumeClaim", namespace, name) is not None
 
-    def service_account_exists(self, namespace: str, name: str) -> bool:
-        return self.read("v1", "ServiceAccount", namespace, name) is not None
+    def read_service_account(self, namespace: str, name: str) -> dict | None:
+        return self.read("v1", "ServiceAccount", namespace, name)
 
 
 def post_event(body: dict, type_: str, reason: str, message: str) -> None:

@@ -5,27 +5,33 @@ remember between turns, apart from the metric samples, is read back from the sta
 given and written into the status patch it returns, so the operator stays stateless across
 restarts (losing the samples costs one window of observation, never a decision).
 
-Contract with the kopf side (handlers.py):
-- it passes the parsed spec, the current ``status`` dict, the Deployment's replica count,
-  the engine settings in force (spec.engine with status.tuning applied: see
-  ``resources.effective_engine``) and the service's admin token;
-- it merges ``status_patch`` into status (keys ``metrics``, ``autoscaling``, ``tuning``);
-  ``resources.LoopState.from_status`` reads ``autoscaling.desiredReplicas`` and
-  ``tuning.maxNumSeqs`` / ``tuning.kvCacheDtype`` from it into the Deployment, so new pods
-  start with the tuned values and an fp8 switch rolls the Deployment;
-- it posts ``events`` as (reason, message) Events on the InferenceService.
-This loop applies a raise or lower of max_num_seqs to every replica itself, live, through
-/admin/config, and repairs any replica found running another value.
+One arbiter decides tuning and scaling together, in that order:
+- the tuner first (tune.py): it tries, keeps or reverts one engine change at a time;
+- then the autoscaler (autoscale.py), whose decision the tuner's state can hold: no
+  scale-up (short of an emergency queue) while a change that adds capacity is on trial,
+  since the trial may remove the queue the scale-up answers; no scale-down while any change
+  is on trial or for ``ENGINE_CHANGE_FREEZE_SECONDS`` after one, since the window it reads
+  was measured under other settings; and its capacity figure is kept per settings.
+- Nothing is decided while the loop is blind: fewer than ``MIN_SCRAPED_SHARE`` of the
+  Ready replicas answered their scrape. ``status.metrics.loopBlind`` says why (the
+  reconcile turns it into the LoopBlind condition) and a LoopBlind Event is posted.
+
+Contract with the kopf side (loop_timer.py): it passes the parsed spec, the current
+``status``, the Deployment's replica count, the engine settings in force and the admin
+token; it merges ``status_patch`` into status (keys ``metrics``, ``autoscaling``,
+``tuning``) and posts ``events``. This loop puts live settings (max_num_seqs,
+max_num_batched_tokens) in force on every replica itself, through /admin/config: the
+canary's on the canary, the kept ones on the others, and repairs any replica found running
+other values. A KV dtype change reaches pods through the Deployment (a rollout).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass, field, replace
 
-from batchpilot import names
 from batchpilot.operator.admin_client import AdminClient
 from batchpilot.operator.autoscale import (
     Recommendation,
@@ -34,31 +40,29 @@ from batchpilot.operator.autoscale import (
     decide_replicas,
 )
 from batchpilot.operator.crd import InferenceServiceSpec
-from batchpilot.operator.observe import MetricsSource, Observer, Window
-from batchpilot.operator.tune import (
-    HISTORY_LENGTH,
+from batchpilot.operator.observe import MetricsSource, Observer, RoundResult, Window
+from batchpilot.operator.tune import TuneLimits, View, decide_tuning
+from batchpilot.operator.tuner_state import (
     EngineSettings,
     TuneDecision,
-    TuneLimits,
-    TuneRecord,
-    decide_tuning,
-    last_change,
-    record,
+    TunerState,
+    parse_timestamp,
+    timestamp,
 )
 
-EVENT_FOR_KIND = {
-    "raise": "MaxNumSeqsRaised",
-    "lower": "MaxNumSeqsLowered",
-    "fp8": "KVCacheFP8",
+MIN_SCRAPED_SHARE = 0.5  # below this share of Ready replicas answering, the loop is blind
+ENGINE_CHANGE_FREEZE_SECONDS = 300.0  # no scale-down this long after an engine change
+EMERGENCY_QUEUE_FACTOR = 4.0  # a queue this many times the target scales up regardless
+CAPACITY_KINDS = ("raise", "raise_budget", "fp8")  # changes that may remove a queue
+
+EVENT_FOR_ACTION = {
+    "try": "TuningTrial",
+    "canary": "TuningTrial",
+    "keep": "TuningKept",
+    "rollout": "TuningKept",
+    "revert": "TuningReverted",
+    "abandon": "TuningAbandoned",
 }
-
-
-def timestamp(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def parse_timestamp(s: str) -> float:
-    return datetime.fromisoformat(s).timestamp()
 
 
 @dataclass
@@ -70,39 +74,10 @@ class LoopOutcome:
     scraped: int = 0  # replicas that answered this turn
     scrape_failures: dict[str, str] = field(default_factory=dict)  # URL -> why
     apply_failures: dict[str, str] = field(default_factory=dict)  # URL -> why
+    blind: str | None = None  # why the loop decided nothing, when it could not see
 
 
 # --------------------------------------------------------------------------- status I/O
-
-
-def tune_history(status: dict) -> list[TuneRecord]:
-    out = []
-    for d in (status.get("tuning") or {}).get("history") or []:
-        try:
-            out.append(
-                TuneRecord(
-                    time=parse_timestamp(d["time"]),
-                    kind=d["kind"],
-                    max_num_seqs=int(d[names.MAX_NUM_SEQS.crd_field]),
-                    previous_max_num_seqs=int(d["previousMaxNumSeqs"]),
-                    kv_cache_dtype=d[names.KV_CACHE_DTYPE.crd_field],
-                    reason=d.get("reason", ""),
-                )
-            )
-        except (KeyError, TypeError, ValueError):
-            continue  # an entry someone edited by hand: ignore it, never crash the loop
-    return out
-
-
-def tune_record_status(r: TuneRecord) -> dict:
-    return {
-        "time": timestamp(r.time),
-        "kind": r.kind,
-        names.MAX_NUM_SEQS.crd_field: r.max_num_seqs,
-        "previousMaxNumSeqs": r.previous_max_num_seqs,
-        names.KV_CACHE_DTYPE.crd_field: r.kv_cache_dtype,
-        "reason": r.reason,
-    }
 
 
 def scale_history(status: dict) -> ScaleHistory:
@@ -113,12 +88,15 @@ def scale_history(status: dict) -> ScaleHistory:
             recommendations.append(Recommendation(int(d["replicas"]), parse_timestamp(d["time"])))
         except (KeyError, TypeError, ValueError):
             continue
-    capacity = autoscaling.get("capacityTokensPerSecond")
-    last_up = autoscaling.get("lastScaleUpTime")
+    capacities = autoscaling.get("capacityTokensPerSecond")
     return ScaleHistory(
         tuple(recommendations),
-        float(capacity) if isinstance(capacity, int | float) else None,
-        _maybe_time(last_up),
+        tuple(
+            (k, float(v))
+            for k, v in (capacities.items() if isinstance(capacities, dict) else ())
+            if isinstance(v, int | float)
+        ),
+        _maybe_time(autoscaling.get("lastScaleUpTime")),
     )
 
 
@@ -138,24 +116,90 @@ def autoscaling_status(d: ScaleDecision, now: float) -> dict:
         "recommendations": [
             {"replicas": r.replicas, "time": timestamp(r.time)} for r in d.history.recommendations
         ],
+        # Per engine settings (EngineSettings.key): what one replica sustained under them.
+        "capacityTokensPerSecond": {k: round(v, 1) for k, v in d.history.capacities},
     }
-    if d.history.capacity is not None:
-        out["capacityTokensPerSecond"] = round(d.history.capacity, 1)
     if d.history.last_scale_up is not None:
         out["lastScaleUpTime"] = timestamp(d.history.last_scale_up)
     return out
 
 
-def tuning_status(d: TuneDecision, history: list[TuneRecord], now: float) -> dict:
-    return {
-        names.MAX_NUM_SEQS.crd_field: d.max_num_seqs,
-        names.KV_CACHE_DTYPE.crd_field: d.kv_cache_dtype,
-        "lastDecision": d.kind,
-        "reason": d.reason,
-        "inputs": d.inputs,
-        "time": timestamp(now),
-        "history": [tune_record_status(r) for r in history[-HISTORY_LENGTH:]],
-    }
+def hold_scale_down(
+    decision: ScaleDecision, replicas: int, failures: dict[str, str], now: float
+) -> tuple[ScaleDecision, dict]:
+    """Keep ``replicas`` while a Ready replica's scrape fails and the replicas that answered
+    ask for fewer.
+
+    A replica that does not answer its scrape is not a replica without demand: its samples
+    age out of the window and the others' alone would then look like the whole load (half
+    of it, with two replicas), and the scale-down would remove capacity that is serving.
+    HPA likewise assumes missing metrics at the target when scaling down. Scale-ups still go
+    through: they rest on the replicas that answered, which is demand seen, not guessed.
+
+    The low recommendations are not kept either (they were made on part of the demand): the
+    history keeps ``replicas`` for now instead, so that once every replica answers again a
+    scale-down needs a whole stabilization window of its own evidence."""
+    urls = sorted(failures)
+    reason = (
+        f"scale-down held at {replicas}: {len(urls)} Ready replica(s) did not answer their "
+        f"scrape ({'; '.join(f'{u}: {failures[u]}' for u in urls)}); the others alone "
+        f"recommend {decision.recommendation}: {decision.reason}"
+    )
+    held = {"replicas": replicas, "recommendation": decision.recommendation, "unscraped": urls}
+    kept = {r.replicas: r.time for r in decision.history.recommendations if r.replicas >= replicas}
+    kept[replicas] = now
+    history = replace(
+        decision.history,
+        recommendations=tuple(Recommendation(n, t) for n, t in sorted(kept.items())),
+    )
+    return replace(decision, replicas=replicas, reason=reason, history=history), held
+
+
+# --------------------------------------------------------------------------- the arbiter
+
+
+def blindness(listed: int, scrape_round: RoundResult) -> str | None:
+    """Why the loop cannot see enough to decide, or None."""
+    if listed == 0 or scrape_round.scraped >= MIN_SCRAPED_SHARE * listed:
+        return None
+    why = "; ".join(f"{u}: {e}" for u, e in sorted(scrape_round.failures.items()))
+    return (
+        f"{scrape_round.scraped} of {listed} Ready replicas answered their scrape (at least "
+        f"{MIN_SCRAPED_SHARE:.0%} needed to decide): {why}"
+    )
+
+
+def arbitrate(
+    decision: ScaleDecision,
+    replicas: int,
+    tuner: TunerState,
+    window: Window | None,
+    target_queue: float,
+    now: float,
+) -> ScaleDecision:
+    """The autoscaler's decision, held where the tuner's state says it must wait."""
+    e = tuner.experiment
+    if decision.replicas > replicas and e is not None and e.kind in CAPACITY_KINDS:
+        queue = window.per_replica(window.waiting_now) if window else 0.0
+        if queue < EMERGENCY_QUEUE_FACTOR * target_queue:
+            why = f"tuning first: {e.kind} is on trial and may remove the queue; {decision.reason}"
+            return replace(decision, replicas=replicas, reason=why)
+    last = tuner.last_change
+    recent = last is not None and now - last < ENGINE_CHANGE_FREEZE_SECONDS
+    if decision.replicas < replicas and (e is not None or recent):
+        why = (
+            f"scale-down frozen: an engine change is on trial or was made under "
+            f"{ENGINE_CHANGE_FREEZE_SECONDS:.0f} s ago; {decision.reason}"
+        )
+        return replace(decision, replicas=replicas, reason=why)
+    return decision
+
+
+def live_targets(tuner: TunerState, urls: list[str]) -> dict[str, EngineSettings]:
+    """The live settings each replica should run: the kept ones, the canary's its own."""
+    assert tuner.settings is not None
+    e = tuner.experiment
+    return {u: e.after if e is not None and e.canary == u else tuner.settings for u in urls}
 
 
 # --------------------------------------------------------------------------- the loop
@@ -201,19 +245,67 @@ class ClosedLoop:
             tuning=None,
             scraped=scrape_round.scraped,
             scrape_failures=scrape_round.failures,
+            blind=blindness(len(scrapes), scrape_round),
         )
-        if window is not None:
-            outcome.status_patch["metrics"] = {
-                **window.summary(),
-                "scrapeFailures": len(scrape_round.failures),
-                "time": timestamp(now),
-            }
-        if spec.autoscaling.enabled:
-            self._autoscale(outcome, window, spec, status, replicas, now)
+        self._observed(outcome, window, status, now)
+        tuner = TunerState.from_status(status)
         if spec.tuning.enabled:
-            answered = [s.url for s in scrapes if s.url not in scrape_round.failures]
-            await self._tune(outcome, key, spec, status, settings, admin_token, answered, now)
+            tuner = self._tune(outcome, key, spec, tuner, settings, now)
+        if spec.autoscaling.enabled:
+            self._autoscale(outcome, window, spec, status, replicas, now, tuner)
+        if spec.tuning.enabled and outcome.blind is None:
+            answered = {
+                s.url: s.admin_url
+                for s in scrapes
+                if s.url not in scrape_round.failures and s.admin_url
+            }
+            await self._apply(outcome, key, tuner, admin_token, answered)
         return outcome
+
+    def _observed(self, outcome: LoopOutcome, window: Window | None, status: dict, now: float):
+        metrics = {**window.summary()} if window is not None else {}
+        metrics |= {
+            "scrapeFailures": len(outcome.scrape_failures),
+            "time": timestamp(now),
+            "loopBlind": outcome.blind,  # None clears it (merge patch)
+        }
+        outcome.status_patch["metrics"] = metrics
+        was_blind = bool((status.get("metrics") or {}).get("loopBlind"))
+        if outcome.blind and not was_blind:
+            outcome.events.append(("LoopBlind", f"deciding nothing: {outcome.blind}"))
+        elif was_blind and not outcome.blind:
+            outcome.events.append(("LoopSighted", "enough replicas answer again: deciding"))
+
+    def _tune(
+        self,
+        outcome: LoopOutcome,
+        key: str,
+        spec: InferenceServiceSpec,
+        tuner: TunerState,
+        in_force: EngineSettings,
+        now: float,
+    ) -> TunerState:
+        if outcome.blind is not None:
+            settings = tuner.settings or in_force
+            decision = TuneDecision("hold", settings, f"blind: {outcome.blind}", now)
+            tuner = tuner.decided(decision, tuner.experiment)
+        else:
+            settings = tuner.settings or in_force
+            e = tuner.experiment
+            since = e.started if e is not None else tuner.last_change
+            # Proposals read what ran under the settings in force; a verdict reads each
+            # replica with the settings it reports.
+            dtype = None if e is not None else settings.kv_cache_dtype
+            view = View(
+                service=self.observer.window(key, since=since, kv_cache_dtype=dtype),
+                replicas=self.observer.replica_windows(key, since=since, kv_cache_dtype=dtype),
+            )
+            decision, tuner = decide_tuning(view, spec, tuner, in_force, now, self.limits)
+        outcome.tuning = decision
+        if decision.changes:
+            outcome.events.append((EVENT_FOR_ACTION[decision.action], decision.reason))
+        outcome.status_patch["tuning"] = tuner.to_status(decision, now)
+        return tuner
 
     def _autoscale(
         self,
@@ -223,62 +315,80 @@ class ClosedLoop:
         status: dict,
         replicas: int,
         now: float,
+        tuner: TunerState,
     ) -> None:
-        decision = decide_replicas(window, spec.autoscaling, replicas, now, scale_history(status))
+        if outcome.blind is not None:
+            outcome.desired_replicas = replicas
+            return  # status.autoscaling keeps the last decision; metrics.loopBlind says why
+        settings = tuner.settings.key if tuner.settings else ""
+        decision = decide_replicas(
+            window, spec.autoscaling, replicas, now, scale_history(status), settings
+        )
+        held = None
+        if decision.recommendation < replicas and outcome.scrape_failures:
+            decision, held = hold_scale_down(decision, replicas, outcome.scrape_failures, now)
+        if spec.tuning.enabled:
+            decision = arbitrate(
+                decision, replicas, tuner, window, spec.autoscaling.target_queue_length, now
+            )
         outcome.desired_replicas = decision.replicas
         outcome.status_patch["autoscaling"] = autoscaling_status(decision, now)
+        # The status is merge-patched: None removes a hold that is over.
+        outcome.status_patch["autoscaling"]["scaleDownHeld"] = held
+        if held is not None and not (status.get("autoscaling") or {}).get("scaleDownHeld"):
+            outcome.events.append(("ScaleDownHeld", decision.reason))
         if decision.replicas != replicas:
             reason = "ScaledUp" if decision.replicas > replicas else "ScaledDown"
             outcome.events.append(
                 (reason, f"replicas {replicas} -> {decision.replicas}: {decision.reason}")
             )
 
-    async def _tune(
+    async def _apply(
         self,
         outcome: LoopOutcome,
         key: str,
-        spec: InferenceServiceSpec,
-        status: dict,
-        settings: EngineSettings,
+        tuner: TunerState,
         token: str,
-        urls: list[str],
-        now: float,
+        urls: dict[str, str],
     ) -> None:
-        history = tune_history(status)
-        previous = last_change(history)
-        # Judge the settings in force on what ran under them only.
-        window = self.observer.window(
-            key, since=previous.time if previous else None, kv_cache_dtype=settings.kv_cache_dtype
-        )
-        decision = decide_tuning(window, spec.tuning, settings, now, history, self.limits)
-        outcome.tuning = decision
-        if decision.changes:
-            history.append(record(decision, settings.max_num_seqs, now))
-            outcome.events.append((EVENT_FOR_KIND[decision.kind], decision.reason))
-        outcome.status_patch["tuning"] = tuning_status(decision, history, now)
-        await self._apply(outcome, key, decision, token, urls)
-
-    async def _apply(
-        self, outcome: LoopOutcome, key: str, decision: TuneDecision, token: str, urls: list[str]
-    ) -> None:
-        """Put max_num_seqs in force on every replica that answered and runs another value:
-        all of them after a raise or lower, a stray one (a pod started before the last
-        change reached the template) otherwise."""
-        if decision.kind == "fp8":
-            return  # the Deployment rolls; new pods start with both settings
+        """Put the live settings in force on every replica that answered and reports other
+        values; record where that failed (the status then says so: a change counts as
+        applied only where a replica confirmed it)."""
         reported = self.observer.window(key)
-        in_force = reported.max_num_seqs if reported else {}
-        stale = [u for u in urls if in_force.get(u) != decision.max_num_seqs]
-        if not stale:
-            return
-        failures = await self.admin.set_max_num_seqs(stale, token, decision.max_num_seqs)
-        outcome.apply_failures = {u: why for u, why in failures.items() if why}
-        if outcome.apply_failures:
+        targets = live_targets(tuner, sorted(urls))
+        changes_by_url = {}
+        for url, target in targets.items():
+            now_running = EngineSettings(
+                max_num_seqs=(reported.max_num_seqs if reported else {}).get(url, -1),
+                max_num_batched_tokens=(reported.max_num_batched_tokens if reported else {}).get(
+                    url
+                ),
+            )
+            changes = target.live_changes(now_running)
+            if changes:
+                changes_by_url[url] = changes
+        # Replicas that need the same change get it in one concurrent call.
+        groups: dict[tuple, list[str]] = {}
+        for url, changes in changes_by_url.items():
+            groups.setdefault(tuple(sorted(changes.items())), []).append(url)
+        answers = await asyncio.gather(
+            *(self.admin.set_live([urls[u] for u in g], token, dict(c)) for c, g in groups.items())
+        )
+        failures = {
+            u: why
+            for g, answer in zip(groups.values(), answers, strict=True)
+            for u in g
+            if (why := answer.get(urls[u]))
+        }
+        outcome.apply_failures = failures
+        outcome.status_patch["tuning"]["notApplied"] = [
+            {"replica": u, "reason": why} for u, why in sorted(failures.items())
+        ]
+        if failures:
             outcome.events.append(
                 (
                     "AdminApplyFailed",
-                    f"max_num_seqs={decision.max_num_seqs} not applied on "
-                    f"{len(outcome.apply_failures)} of {len(stale)} replicas: "
-                    + "; ".join(f"{u}: {why}" for u, why in outcome.apply_failures.items()),
+                    f"live settings not applied on {len(failures)} of {len(changes_by_url)} "
+                    "replicas: " + "; ".join(f"{u}: {why}" for u, why in failures.items()),
                 )
             )

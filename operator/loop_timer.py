@@ -26,12 +26,14 @@ from batchpilot.operator.kube import post_event
 from batchpilot.operator.loop import ClosedLoop, LoopOutcome
 from batchpilot.operator.observe import MetricsSource, PodMetricsSource, UrlMetricsSource
 from batchpilot.operator.resources import LoopState, Owner
-from batchpilot.operator.tune import EngineSettings
+from batchpilot.operator.tuner_state import EngineSettings
 
 if TYPE_CHECKING:
     from batchpilot.operator.handlers import Reconciler
 
 log = logging.getLogger("batchpilot.operator.loop")
+# Events that say the loop could not do its job (the others report what it decided).
+WARNING_REASONS = frozenset({"LoopBlind", "TuningAbandoned"})
 
 
 def loop_wanted(spec: dict) -> bool:
@@ -51,26 +53,33 @@ def loop_spec(spec: InferenceServiceSpec) -> InferenceServiceSpec:
 
 
 def settings_in_force(deployment: dict, spec: InferenceServiceSpec, status: dict) -> EngineSettings:
-    """What the Deployment records; what the reconcile will apply where it records none."""
+    """What the Deployment records; what the reconcile will apply where it records none.
+    The step budget is live only: the template carries the budget profiled at start-up."""
     recorded = resources.read_engine_settings(deployment)
     planned = resources.effective_engine(spec, LoopState.from_status(status))
+    tuned_budget = spec.tuning.max_num_batched_tokens is not None
     return EngineSettings(
         max_num_seqs=recorded.get(names.MAX_NUM_SEQS.crd_field, planned.max_num_seqs),
         kv_cache_dtype=recorded.get(names.KV_CACHE_DTYPE.crd_field, planned.kv_cache_dtype),
+        max_num_batched_tokens=planned.max_num_batched_tokens if tuned_budget else None,
     )
 
 
 def count(namespace: str, name: str, outcome: LoopOutcome, replicas: int) -> None:
     probes.LOOP_ROUNDS.labels(namespace, name).inc()
+    probes.LOOP_BLIND.labels(namespace, name).set(1 if outcome.blind else 0)
     if outcome.scrape_failures:
         probes.SCRAPE_FAILURES.labels(namespace, name).inc(len(outcome.scrape_failures))
-    if outcome.tuning is not None:
-        probes.DECISIONS.labels(outcome.tuning.kind).inc()
+    if outcome.apply_failures:
+        probes.APPLY_FAILURES.labels(namespace, name).inc(len(outcome.apply_failures))
+    d = outcome.tuning
+    if d is not None and d.changes and d.kind is not None:
+        probes.DECISIONS.labels(namespace, name, d.kind, d.action).inc()
     if outcome.desired_replicas is not None:
         probes.DESIRED_REPLICAS.labels(namespace, name).set(outcome.desired_replicas)
         if outcome.desired_replicas != replicas:
             kind = "scale_up" if outcome.desired_replicas > replicas else "scale_down"
-            probes.DECISIONS.labels(kind).inc()
+            probes.DECISIONS.labels(namespace, name, kind, "apply").inc()
 
 
 class LoopTimer:
@@ -91,7 +100,7 @@ class LoopTimer:
 
     def _source(self) -> MetricsSource:
         if self.config.metrics_urls:
-            return UrlMetricsSource(self.config.metrics_urls)
+            return UrlMetricsSource(self.config.metrics_urls, self.config.admin_urls)
         return PodMetricsSource(client.CoreV1Api(self.rec.kube.dynamic.client))
 
     def forget(self, namespace: str, name: str) -> None:
@@ -107,10 +116,10 @@ class LoopTimer:
         except SpecError:
             return  # the reconcile reports it as Degraded
         kube = self.rec.kube
-        deployment = await asyncio.to_thread(kube.read, "apps/v1", "Deployment", ns, name)
-        token = await asyncio.to_thread(self.rec.read_admin_token, Owner.from_body(body))
-        if deployment is None or token is None:
-            return  # nothing serves yet: the reconcile builds it first
+        owner = Owner.from_body(body)
+        deployment = await asyncio.to_thread(self.rec.owned_deployment, owner)
+        if deployment is None:
+            return  # nothing of ours serves yet: the reconcile builds it (or reports why not)
         status = body.get("status") or {}
         replicas = (deployment.get("spec") or {}).get("replicas", 0)
         outcome = await self.loop.run_once(
@@ -120,16 +129,19 @@ class LoopTimer:
             status,
             replicas,
             settings_in_force(deployment, spec, status),
-            token,
+            self.rec.admin_token(owner),
         )
         count(ns, name, outcome, replicas)
         if outcome.status_patch:
             await asyncio.to_thread(kube.patch_isvc_status, ns, name, outcome.status_patch)
         for reason, message in outcome.events:
             logger.info("%s: %s", reason, message)
-            warning = reason.endswith("Failed")
+            warning = reason.endswith("Failed") or reason in WARNING_REASONS
             post_event(body, "Warning" if warning else "Normal", reason, message)
         # The patch replaces whole top-level keys, so this is the status it leaves.
         after = {**status, **outcome.status_patch}
-        if LoopState.from_status(status) != LoopState.from_status(after):
+        was_blind = bool((status.get("metrics") or {}).get("loopBlind"))
+        if LoopState.from_status(status) != LoopState.from_status(after) or was_blind != bool(
+            outcome.blind
+        ):  # new settings or replicas for the children, or the LoopBlind condition flips
             await asyncio.to_thread(self.rec.reconcile_by_name, ns, name, logger)

@@ -3,7 +3,7 @@
 Two metrics sources share one interface (``MetricsSource``): ``PodMetricsSource`` scrapes
 every Ready pod of an InferenceService on its pod IP, ``UrlMetricsSource`` a fixed list of
 base URLs (tests, benchmarks, servers outside the cluster). Both return one ``Scrape`` per
-replica; a replica that does not answer, or answers something that is not the server's
+replica, with where that replica's admin API listens (its own port, apart from /metrics); a replica that does not answer, or answers something that is not the server's
 metrics, is skipped and counted, never raised.
 
 ``Observer`` keeps, per service and per replica, the parsed samples of the last
@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,7 +29,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from batchpilot import names
 from batchpilot.operator import resources
 
-SCRAPE_TIMEOUT_SECONDS = 2.0
+# An overloaded replica answers /metrics slowly (a benchmark saw 15 s): a short timeout
+# would read a busy replica as a missing one.
+SCRAPE_TIMEOUT_SECONDS = 10.0
 DEFAULT_WINDOW_SECONDS = 60.0
 
 GAUGES = (
@@ -37,6 +40,7 @@ GAUGES = (
     names.NUM_REQUESTS_SWAPPED,
     names.KV_CACHE_USAGE,
     names.MAX_NUM_SEQS_METRIC,
+    names.MAX_NUM_BATCHED_TOKENS_METRIC,
 )
 COUNTERS = (names.NUM_PREEMPTIONS, names.SWAPS_OUT, names.GENERATION_TOKENS)
 HISTOGRAMS = (names.TIME_TO_FIRST_TOKEN, names.INTER_TOKEN_LATENCY)
@@ -49,40 +53,58 @@ Buckets = tuple[tuple[float, float], ...]  # ((upper bound "le", cumulative coun
 
 @dataclass(frozen=True)
 class Scrape:
-    """One replica's answer: its base URL (also where its /admin/config lives) and either
-    the /metrics text or why there is none."""
+    """One replica's answer: its base URL, the base URL of its admin API (None: unknown, so
+    the loop cannot tune it) and either the /metrics text or why there is none."""
 
     url: str
     text: str | None = None
     error: str | None = None
+    admin_url: str | None = None
 
 
 class MetricsSource(Protocol):
     async def scrape(self, namespace: str, name: str) -> list[Scrape]: ...
 
 
-async def scrape_urls(urls: Iterable[str], timeout: float = SCRAPE_TIMEOUT_SECONDS) -> list[Scrape]:
-    """GET <url>/metrics for every base URL at once; errors become Scrape.error."""
+async def scrape_urls(
+    urls: Mapping[str, str], timeout: float = SCRAPE_TIMEOUT_SECONDS
+) -> list[Scrape]:
+    """GET <url>/metrics for every base URL (-> its admin URL) at once; errors become
+    Scrape.error."""
     client_timeout = aiohttp.ClientTimeout(total=timeout)
     async with aiohttp.ClientSession(timeout=client_timeout) as session:
-        return list(await asyncio.gather(*(_scrape_one(session, u) for u in urls)))
+        return list(await asyncio.gather(*(_scrape_one(session, u, a) for u, a in urls.items())))
 
 
-async def _scrape_one(session: aiohttp.ClientSession, url: str) -> Scrape:
+async def _scrape_one(session: aiohttp.ClientSession, url: str, admin_url: str) -> Scrape:
     try:
         async with session.get(url.rstrip("/") + "/metrics") as resp:
             if resp.status != 200:
-                return Scrape(url, error=f"HTTP {resp.status}")
-            return Scrape(url, text=await resp.text())
+                return Scrape(url, error=f"HTTP {resp.status}", admin_url=admin_url)
+            return Scrape(url, text=await resp.text(), admin_url=admin_url)
     except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as e:
-        return Scrape(url, error=f"{type(e).__name__}: {e}".rstrip(": "))
+        return Scrape(url, error=f"{type(e).__name__}: {e}".rstrip(": "), admin_url=admin_url)
+
+
+def on_port(url: str, port: int) -> str:
+    """The same host on another port: http://h:8000 -> http://h:<port>."""
+    parts = urlsplit(url)
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    return urlunsplit((parts.scheme, f"{host}:{port}", "", "", ""))
 
 
 class UrlMetricsSource:
-    """A fixed list of replica base URLs (http://host:port), whatever the service."""
+    """A fixed list of replica base URLs (http://host:port), whatever the service, with the
+    admin API's base URL of each (default: the same host on the admin port)."""
 
-    def __init__(self, urls: Sequence[str], timeout: float = SCRAPE_TIMEOUT_SECONDS):
-        self.urls = list(urls)
+    def __init__(
+        self,
+        urls: Sequence[str],
+        admin_urls: Sequence[str] | None = None,
+        timeout: float = SCRAPE_TIMEOUT_SECONDS,
+    ):
+        admin = admin_urls or [on_port(u, names.DEFAULT_ADMIN_PORT) for u in urls]
+        self.urls = dict(zip(urls, admin, strict=True))
         self.timeout = timeout
 
     async def scrape(self, namespace: str, name: str) -> list[Scrape]:
@@ -95,11 +117,8 @@ class PodMetricsSource:
     ``core`` is a kubernetes ``CoreV1Api``; its synchronous list call runs in a thread so
     the operator's event loop never blocks on the API server."""
 
-    def __init__(
-        self, core: Any, port: int = resources.PORT, timeout: float = SCRAPE_TIMEOUT_SECONDS
-    ):
+    def __init__(self, core: Any, timeout: float = SCRAPE_TIMEOUT_SECONDS):
         self.core = core
-        self.port = port
         self.timeout = timeout
 
     async def scrape(self, namespace: str, name: str) -> list[Scrape]:
@@ -108,7 +127,8 @@ class PodMetricsSource:
             namespace,
             label_selector=resources.selector_string(name),
         )
-        return await scrape_urls(ready_pod_urls(pods.items, self.port), self.timeout)
+        urls = ready_pod_urls(pods.items, resources.PORT)
+        return await scrape_urls({u: on_port(u, resources.ADMIN_PORT) for u in urls}, self.timeout)
 
 
 def ready_pod_urls(pods: Iterable[Any], port: int) -> list[str]:
@@ -248,6 +268,7 @@ class Window:
     ttft_buckets: Buckets = ()
     itl_buckets: Buckets = ()
     max_num_seqs: dict[str, int] = field(default_factory=dict)  # replica URL -> in force
+    max_num_batched_tokens: dict[str, int] = field(default_factory=dict)
     kv_cache_dtype: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -307,6 +328,7 @@ def replica_window(url: str, samples: Sequence[Sample]) -> Window:
         return increase([s.counters.get(counter, 0.0) for s in samples]) / span
 
     mns = last.gauges.get(names.MAX_NUM_SEQS_METRIC)
+    budget = last.gauges.get(names.MAX_NUM_BATCHED_TOKENS_METRIC)
     return Window(
         replicas=1,
         span_seconds=span,
@@ -323,6 +345,7 @@ def replica_window(url: str, samples: Sequence[Sample]) -> Window:
         ttft_buckets=bucket_increase([s.buckets[names.TIME_TO_FIRST_TOKEN] for s in samples]),
         itl_buckets=bucket_increase([s.buckets[names.INTER_TOKEN_LATENCY] for s in samples]),
         max_num_seqs={url: int(mns)} if mns is not None else {},
+        max_num_batched_tokens={url: int(budget)} if budget is not None else {},
         kv_cache_dtype={url: last.kv_cache_dtype} if last.kv_cache_dtype else {},
     )
 
@@ -346,6 +369,7 @@ def merge_windows(windows: Sequence[Window]) -> Window | None:
         ttft_buckets=merge_buckets(w.ttft_buckets for w in windows),
         itl_buckets=merge_buckets(w.itl_buckets for w in windows),
         max_num_seqs={k: v for w in windows for k, v in w.max_num_seqs.items()},
+        max_num_batched_tokens={k: v for w in windows for k, v in w.max_num_batched_tokens.items()},
         kv_cache_dtype={k: v for w in windows for k, v in w.kv_cache_dtype.items()},
     )
 

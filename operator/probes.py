@@ -22,8 +22,22 @@ from prometheus_client import (
 REGISTRY = CollectorRegistry()
 DECISIONS = Counter(
     "batchpilot_operator_decisions",
-    "Closed-loop decisions: tuning kinds (raise, lower, fp8, hold) and scale_up/scale_down",
-    ["kind"],
+    "Closed-loop decisions per InferenceService: kind is the change (raise, lower, "
+    "raise_budget, lower_budget, fp8, fp8_off, scale_up, scale_down) and outcome what "
+    "became of it (try, canary, keep, rollout, revert, abandon; apply for scaling)",
+    ["namespace", "name", "kind", "outcome"],
+    registry=REGISTRY,
+)
+APPLY_FAILURES = Counter(
+    "batchpilot_operator_apply_failures",
+    "Live setting changes a replica refused or did not answer",
+    ["namespace", "name"],
+    registry=REGISTRY,
+)
+LOOP_BLIND = Gauge(
+    "batchpilot_operator_loop_blind",
+    "1 while too few replicas answer their scrape for the loop to decide anything",
+    ["namespace", "name"],
     registry=REGISTRY,
 )
 SCRAPE_FAILURES = Counter(

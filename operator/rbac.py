@@ -16,14 +16,18 @@ RULES: list[dict] = [
      "verbs": ["get", "list", "watch", "patch", "update"]},
     {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch", "update"]},
     {"apiGroups": [GROUP], "resources": [f"{PLURAL}/finalizers"], "verbs": ["update"]},
-    # The children, applied server-side; Secrets are read and written, never listed.
+    # The children: read to check whose they are (ownership.py), created, or applied
+    # server-side over the operator's own.
     {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": CHILD_VERBS},
     {"apiGroups": [""], "resources": ["services"], "verbs": CHILD_VERBS},
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": CHILD_VERBS},
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": CHILD_VERBS},
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch", "update"]},
+    # The admin token's Secret: create only. The token is derived from the operator's key,
+    # never read back; get, patch or update would let the operator read any Secret (a patch
+    # answers with the whole object), create cannot read or change an existing one.
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
     # The autoscaler the spec may ask for instead of the built-in one; removed when it no
-    # longer does.
+    # longer does (only the operator's own, checked by uid).
     {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"],
      "verbs": [*CHILD_VERBS, "delete"]},
     {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": [*CHILD_VERBS, "delete"]},

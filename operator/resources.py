@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import json
 import posixpath
 from dataclasses import dataclass
 
 from batchpilot import names
-from batchpilot.operator.crd import API_VERSION, KIND, EngineSpec, InferenceServiceSpec
+from batchpilot.operator.crd import API_VERSION, KIND, EngineSpec, InferenceServiceSpec, TokenRange
+from batchpilot.operator.flags import BOOL_KNOBS, ENGINE_KNOBS
+from batchpilot.operator.tuner_state import settings_from_status
 
 PORT = names.DEFAULT_PORT
 PORT_NAME = "http"
+# /admin/* listens here only; the Service does not expose it, the operator calls each pod.
+ADMIN_PORT = names.DEFAULT_ADMIN_PORT
+ADMIN_PORT_NAME = "admin"
 CONTAINER = "server"
 MODEL_VOLUME = "model"
 MODEL_MOUNT_ROOT = "/models"
@@ -32,43 +38,31 @@ APP_NAME = "batchpilot-server"
 MANAGED_BY = "batchpilot-operator"
 MANAGED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
 
-ANN_TOKEN_HASH = "batchpilot.dev/admin-token-sha256"
 # The engine settings the operator applied (JSON, on the Deployment's own metadata: a
 # change of it alone never rolls the pods).
 ANN_ENGINE = "batchpilot.dev/engine"
 SECRET_TOKEN_KEY = "token"
+# A ServiceAccount InferenceServices may run their pods as carries this label (value
+# "allowed"): the allow-list is kept by whoever may label ServiceAccounts.
+LABEL_SA_ALLOWED = "batchpilot.dev/inference-server"
+
+# The server image's non-root user (server/Dockerfile), forced on every pod.
+RUN_AS_USER = 10001
+# The root filesystem is read-only; the server writes only under these emptyDirs: /tmp
+# (tempfile, the image's HF_HOME) and a home whose cache holds the CPU decode kernel's
+# build (torch.utils.cpp_extension), Triton's kernel cache, and a model conversion cache
+# where the image has none (the server image's own, $BATCHPILOT_CACHE, is read-only).
+HOME = "/home/batchpilot"
+SCRATCH_VOLUMES = (("batchpilot-tmp", "/tmp"), ("batchpilot-home", HOME))
+SCRATCH_ENV = (
+    ("HOME", HOME),
+    ("TORCH_EXTENSIONS_DIR", f"{HOME}/.cache/torch_extensions"),
+    ("TRITON_CACHE_DIR", f"{HOME}/.cache/triton"),
+)
 
 # Seconds between SIGTERM's drain deadline and the kubelet's SIGKILL.
 GRACE_MARGIN_SECONDS = 15
 
-# Flags the operator derives from the spec: engine.extraArgs may not repeat them.
-ENGINE_KNOBS = (
-    names.MAX_MODEL_LEN,
-    names.MAX_NUM_SEQS,
-    names.MAX_NUM_BATCHED_TOKENS,
-    names.BLOCK_SIZE,
-    names.KV_CACHE_DTYPE,
-    names.GPU_MEMORY_UTILIZATION,
-    names.SWAP_SPACE,
-    names.PREEMPTION_MODE,
-    names.ENABLE_CHUNKED_PREFILL,
-    names.ENABLE_PREFIX_CACHING,
-)
-_BOOL_KNOBS = {names.ENABLE_CHUNKED_PREFILL.name, names.ENABLE_PREFIX_CACHING.name}
-MANAGED_FLAGS = frozenset(
-    [
-        "--model",
-        "--served-model-name",
-        "--host",
-        "--port",
-        "--dtype",
-        "--shutdown-timeout",
-        "--max-queue-len",
-        "--admin-token",
-    ]
-    + [k.flag for k in ENGINE_KNOBS]
-    + ["--no-" + k.flag[2:] for k in ENGINE_KNOBS if k.name in _BOOL_KNOBS]
-)
 # While the tuner is on, max_num_seqs reaches new pods through this variable, read from the
 # service's ConfigMap: a tuned value changes the ConfigMap, never the pod template, so it
 # rolls nothing (running pods get it live through /admin/config).
@@ -105,16 +99,17 @@ class LoopState:
     replicas: int | None = None
     max_num_seqs: int | None = None
     kv_cache_dtype: str | None = None
+    max_num_batched_tokens: int | None = None
 
     @classmethod
     def from_status(cls, status: dict | None) -> LoopState:
-        status = status or {}
-        autoscaling = status.get("autoscaling") or {}
-        tuning = status.get("tuning") or {}
+        autoscaling = (status or {}).get("autoscaling") or {}
+        tuned = settings_from_status(status)  # the tuner's state has one reader
         return cls(
             replicas=autoscaling.get("desiredReplicas"),
-            max_num_seqs=tuning.get(names.MAX_NUM_SEQS.crd_field),
-            kv_cache_dtype=tuning.get(names.KV_CACHE_DTYPE.crd_field),
+            max_num_seqs=tuned.max_num_seqs if tuned else None,
+            kv_cache_dtype=tuned.kv_cache_dtype if tuned else None,
+            max_num_batched_tokens=tuned.max_num_batched_tokens if tuned else None,
         )
 
 
@@ -150,15 +145,15 @@ def _default_name(source: str) -> str:
 
 def desired_replicas(spec: InferenceServiceSpec, loops: LoopState) -> int:
     """The built-in autoscaler's decision within bounds; otherwise spec.replicas, which the
-    user, their HPA or the emitted HPA/ScaledObject set through the scale subresource."""
+    user, their HPA or the emitted HPA/ScaledObject set through the scale subresource.
+    Before the loop's first decision, spec.replicas within bounds: turning builtin
+    autoscaling on must not cut a running service down to minReplicas while the loop has
+    not looked yet."""
     a = spec.autoscaling
     if not a.builtin:
         return spec.replicas
-    return _clamp(
-        loops.replicas if loops.replicas is not None else a.min_replicas,
-        a.min_replicas,
-        a.max_replicas,
-    )
+    decided = loops.replicas if loops.replicas is not None else spec.replicas
+    return _clamp(decided, a.min_replicas, a.max_replicas)
 
 
 def effective_engine(spec: InferenceServiceSpec, loops: LoopState) -> EngineSpec:
@@ -174,18 +169,34 @@ def effective_engine(spec: InferenceServiceSpec, loops: LoopState) -> EngineSpec
         or (t.allow_fp8_kv_cache and loops.kv_cache_dtype.startswith("fp8"))
     ):
         update["kv_cache_dtype"] = loops.kv_cache_dtype
+    if (budget := tuned_step_budget(spec)) is not None:
+        # Nothing decided and nothing asked: the budget the pods start with stays.
+        value = loops.max_num_batched_tokens or spec.engine.max_num_batched_tokens or budget.max
+        update["max_num_batched_tokens"] = _clamp(value, budget.min, budget.max)
     return spec.engine.model_copy(update=update) if update else spec.engine
 
 
+def tuned_step_budget(spec: InferenceServiceSpec) -> TokenRange | None:
+    """The range the tuner keeps max_num_batched_tokens within; None when it leaves it be."""
+    return spec.tuning.max_num_batched_tokens if spec.tuning.enabled else None
+
+
+def start_engine(spec: InferenceServiceSpec, engine: EngineSpec) -> EngineSpec:
+    """The engine a pod template starts: with the step budget tuned, at the range's max.
+    The engine profiles its memory for the budget it starts with and refuses a live one
+    past it, so starting at the max lets every tuned value in; and the template never
+    carries the tuned value, so a tuned change rolls nothing (the loop sets it live on
+    each replica once it is up)."""
+    budget = tuned_step_budget(spec)
+    if budget is None:
+        return engine
+    return engine.model_copy(update={"max_num_batched_tokens": budget.max})
+
+
 def spec_problems(spec: InferenceServiceSpec) -> list[str]:
-    """What the schema cannot express but the operator rejects before building anything."""
+    """What the schema cannot express but the operator rejects before building anything
+    (engine.extraArgs are checked by the schema's own rule)."""
     problems = []
-    for arg in spec.engine.extra_args:
-        flag = arg.split("=", 1)[0]
-        if flag in MANAGED_FLAGS:
-            problems.append(
-                f"spec.engine.extraArgs: {flag} is derived from the spec; set it there instead"
-            )
     for env in spec.pod.env:
         if env.name in RESERVED_ENV:
             problems.append(f"spec.pod.env: {env.name} is set by the operator")
@@ -211,7 +222,7 @@ def engine_args(engine: EngineSpec, *, live_max_num_seqs: bool = False) -> list[
             continue
         if knob is names.MAX_NUM_SEQS and live_max_num_seqs:
             args.append(f"{knob.flag}=$({MAX_NUM_SEQS_ENV})")
-        elif knob.name in _BOOL_KNOBS:
+        elif knob.name in BOOL_KNOBS:
             args.append(knob.flag if value else "--no-" + knob.flag[2:])
         else:
             args += [knob.flag, value if isinstance(value, str) else _num(value)]
@@ -225,6 +236,8 @@ def server_args(spec: InferenceServiceSpec, engine: EngineSpec, model: ModelPlan
         "0.0.0.0",
         "--port",
         str(PORT),
+        "--admin-port",
+        str(ADMIN_PORT),
         "--model",
         model.arg,
         "--served-model-name",
@@ -301,8 +314,20 @@ def _metadata(owner: Owner, name: str, annotations: dict | None = None) -> dict:
     return meta
 
 
-def secret_name(name: str) -> str:
-    return f"{name}-admin-token"
+def admin_token(key: bytes, owner: Owner) -> str:
+    """The service's admin token: an HMAC of the operator's key and the object's identity.
+    The operator recomputes it whenever it needs it and never reads it back, so it needs
+    no right to read Secrets; a new object with the same name (a new uid) gets another."""
+    identity = f"admin-token\0{owner.namespace}\0{owner.name}\0{owner.uid}".encode()
+    digest = hmac.new(key, identity, hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+def secret_name(name: str, token: str) -> str:
+    """The Secret holding ``token``, named after a hash of it: no one without the operator's
+    key can tell the name before the operator creates it, so no one can have put another
+    Secret there; a new token (a new key) is a new Secret, and the pods roll to it."""
+    return f"{name}-admin-{hashlib.sha256(token.encode()).hexdigest()[:12]}"
 
 
 def config_map_name(name: str) -> str:
@@ -311,10 +336,6 @@ def config_map_name(name: str) -> str:
 
 def service_url(name: str, namespace: str, cluster_domain: str) -> str:
     return f"http://{name}.{namespace}.svc.{cluster_domain}:{PORT}"
-
-
-def token_hash(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()[:16]
 
 
 def scrape_annotations() -> dict[str, str]:
@@ -326,23 +347,30 @@ def scrape_annotations() -> dict[str, str]:
 
 
 def build_secret(owner: Owner, token: str) -> dict:
-    """The admin API's bearer token; the operator generates it once and owns it."""
+    """The admin API's bearer token, for the pods' environment; created once, never
+    changed (its name changes with the token)."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _metadata(owner, secret_name(owner.name)),
+        "metadata": _metadata(owner, secret_name(owner.name, token)),
         "type": "Opaque",
+        "immutable": True,
         "data": {SECRET_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
     }
 
 
-def build_config_map(owner: Owner, engine: EngineSpec) -> dict:
-    """The engine settings the tuner changes without a rollout: new pods read them here."""
+def build_config_map(owner: Owner, spec: InferenceServiceSpec, engine: EngineSpec) -> dict:
+    """The engine settings the tuner changes without a rollout: new pods read max_num_seqs
+    here; a tuned max_num_batched_tokens is only recorded, for humans (pods start at the
+    range's max and the loop sets it live)."""
+    data = {names.MAX_NUM_SEQS.name: str(engine.max_num_seqs)}
+    if tuned_step_budget(spec) is not None:
+        data[names.MAX_NUM_BATCHED_TOKENS.name] = str(engine.max_num_batched_tokens)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(owner, config_map_name(owner.name)),
-        "data": {names.MAX_NUM_SEQS.name: str(engine.max_num_seqs)},
+        "data": data,
     }
 
 
@@ -395,17 +423,12 @@ def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
     return s.pre_stop_sleep_seconds + s.shutdown_timeout_seconds + GRACE_MARGIN_SECONDS
 
 
-def server_env(owner: Owner, spec: InferenceServiceSpec) -> list[dict]:
-    """The admin token from the owned Secret, max_num_seqs from the ConfigMap (tuner on),
-    what the model source needs, then the user's."""
-    env = [
-        {
-            "name": names.ADMIN_TOKEN_ENV,
-            "valueFrom": {
-                "secretKeyRef": {"name": secret_name(owner.name), "key": SECRET_TOKEN_KEY}
-            },
-        }
-    ]
+def server_env(owner: Owner, spec: InferenceServiceSpec, token: str) -> list[dict]:
+    """The admin token from the owned Secret, the writable places, max_num_seqs from the
+    ConfigMap (tuner on), what the model source needs, then the user's."""
+    ref = {"name": secret_name(owner.name, token), "key": SECRET_TOKEN_KEY}
+    env = [{"name": names.ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}}]
+    env += [{"name": k, "value": v} for k, v in SCRATCH_ENV]
     if spec.tuning.enabled:
         ref = {"name": config_map_name(owner.name), "key": names.MAX_NUM_SEQS.name}
         env.append({"name": MAX_NUM_SEQS_ENV, "valueFrom": {"configMapKeyRef": ref}})
@@ -415,14 +438,43 @@ def server_env(owner: Owner, spec: InferenceServiceSpec) -> list[dict]:
 
 
 def model_volumes(spec: InferenceServiceSpec, model: ModelPlan) -> tuple[list, list]:
-    """(volumes, the server's mounts): a pvc:// model's claim, read-only, then the user's."""
-    volumes, mounts = list(spec.pod.volumes), list(spec.pod.volume_mounts)
+    """(volumes, the server's mounts): the scratch emptyDirs, a pvc:// model's claim
+    (read-only), then the user's."""
+    volumes = [{"name": n, "emptyDir": {}} for n, _ in SCRATCH_VOLUMES]
+    mounts = [{"name": n, "mountPath": path} for n, path in SCRATCH_VOLUMES]
     if model.pvc:
         claim = {"claimName": model.pvc, "readOnly": True}
-        volumes.insert(0, {"name": MODEL_VOLUME, "persistentVolumeClaim": claim})
+        volumes.append({"name": MODEL_VOLUME, "persistentVolumeClaim": claim})
         mount = {"name": MODEL_VOLUME, "mountPath": f"{MODEL_MOUNT_ROOT}/{model.pvc}"}
-        mounts.insert(0, {**mount, "readOnly": True})
-    return volumes, mounts
+        mounts.append({**mount, "readOnly": True})
+    return volumes + list(spec.pod.volumes), mounts + list(spec.pod.volume_mounts)
+
+
+def pod_security_context() -> dict:
+    """The restricted Pod Security Standard, at the pod level."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> dict:
+    """The restricted Pod Security Standard, for the server container, plus a read-only
+    root filesystem."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def service_account_allowed(service_account: dict) -> bool:
+    labels = service_account.get("metadata", {}).get("labels") or {}
+    return labels.get(LABEL_SA_ALLOWED) == "allowed"
 
 
 def container_resources(spec: InferenceServiceSpec) -> dict:
@@ -430,15 +482,23 @@ def container_resources(spec: InferenceServiceSpec) -> dict:
 
 
 def build_container(
-    owner: Owner, spec: InferenceServiceSpec, engine: EngineSpec, image: str, mounts: list
+    owner: Owner,
+    spec: InferenceServiceSpec,
+    engine: EngineSpec,
+    image: str,
+    mounts: list,
+    token: str,
 ) -> dict:
     container: dict = {
         "name": CONTAINER,
         "image": image,
         "command": ["batchpilot", "serve"],
         "args": server_args(spec, engine, plan_model(spec)),
-        "ports": [{"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"}],
-        "env": server_env(owner, spec),
+        "ports": [
+            {"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"},
+            {"name": ADMIN_PORT_NAME, "containerPort": ADMIN_PORT, "protocol": "TCP"},
+        ],
+        "env": server_env(owner, spec, token),
         "readinessProbe": _probe("/ready", period=5, failures=3, timeout=2),
         "livenessProbe": _probe("/health", period=10, failures=6, timeout=5),
         # Loading weights can take minutes: liveness starts once /health first answers.
@@ -451,8 +511,8 @@ def build_container(
     if sleep := spec.server.pre_stop_sleep_seconds:
         # Endpoints drop the pod while it still serves; then SIGTERM starts the drain.
         container["lifecycle"] = {"preStop": {"sleep": {"seconds": sleep}}}
-    if mounts:
-        container["volumeMounts"] = mounts
+    container["volumeMounts"] = mounts
+    container["securityContext"] = container_security_context()
     return container
 
 
@@ -460,6 +520,7 @@ def build_pod_spec(spec: InferenceServiceSpec, container: dict, volumes: list) -
     pod = spec.pod
     pod_spec: dict = {
         "containers": [container],
+        "securityContext": pod_security_context(),
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
     }
     if pod.service_account_name:
@@ -483,13 +544,9 @@ def build_pod_template(
     owner: Owner, spec: InferenceServiceSpec, engine: EngineSpec, image: str, admin_token: str
 ) -> dict:
     volumes, mounts = model_volumes(spec, plan_model(spec))
-    container = build_container(owner, spec, engine, image, mounts)
-    annotations = {
-        **spec.pod.annotations,
-        **scrape_annotations(),
-        # A new token rolls the pods: they read it from the environment at start.
-        ANN_TOKEN_HASH: token_hash(admin_token),
-    }
+    # A new token rolls the pods (they read it at start): it is in a Secret of a new name.
+    container = build_container(owner, spec, engine, image, mounts, admin_token)
+    annotations = {**spec.pod.annotations, **scrape_annotations()}
     return {
         "metadata": {
             "labels": {**spec.pod.labels, **common_labels(owner.name)},
@@ -507,7 +564,7 @@ def build_deployment(
     admin_token: str,
     loops: LoopState = LoopState(),
 ) -> dict:
-    engine = effective_engine(spec, loops)
+    engine = start_engine(spec, effective_engine(spec, loops))
     applied = json.dumps(engine_settings(engine), sort_keys=True, separators=(",", ":"))
     return {
         "apiVersion": "apps/v1",
@@ -643,7 +700,7 @@ def build_children(
     engine = effective_engine(spec, loops)
     return [
         build_secret(owner, admin_token),
-        build_config_map(owner, engine),
+        build_config_map(owner, spec, engine),
         build_service(owner),
         build_pdb(owner),
         build_deployment(owner, spec, image=image, admin_token=admin_token, loops=loops),

@@ -20,12 +20,16 @@ from batchpilot.operator import resources
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
+LOOP_BLIND = "LoopBlind"
 
 # Problems the operator finds with the spec or with applying it. A status refresh from a Deployment event keeps
 # them for the generation they were found in; the next full reconcile re-evaluates them.
 INVALID_SPEC = "InvalidSpec"
 MODEL_SOURCE_NOT_FOUND = "ModelSourceNotFound"
 SERVICE_ACCOUNT_NOT_FOUND = "ServiceAccountNotFound"
+SERVICE_ACCOUNT_NOT_ALLOWED = "ServiceAccountNotAllowed"  # not labelled for InferenceServices
+# An object of a child's name exists and is not this InferenceService's: left untouched.
+NAME_CONFLICT = "NameConflict"
 APPLY_FAILED = "ApplyFailed"  # the API server refused the children (RBAC, a bad request)
 AUTOSCALER_NOT_SERVED = "AutoscalerNotServed"  # mode keda without KEDA's CRDs
 SPEC_REASONS = frozenset(
@@ -33,6 +37,8 @@ SPEC_REASONS = frozenset(
         INVALID_SPEC,
         MODEL_SOURCE_NOT_FOUND,
         SERVICE_ACCOUNT_NOT_FOUND,
+        SERVICE_ACCOUNT_NOT_ALLOWED,
+        NAME_CONFLICT,
         APPLY_FAILED,
         AUTOSCALER_NOT_SERVED,
     ]
@@ -187,6 +193,18 @@ def degraded(d: DeploymentView | None, problem: Problem | None) -> tuple[bool, s
 CONDITIONS = ((READY, ready), (PROGRESSING, progressing), (DEGRADED, degraded))
 
 
+def loop_blind(prev: dict | None) -> tuple[bool, str, str] | None:
+    """From what the closed loop last wrote (status.metrics.loopBlind); None while no
+    loop has run for this service."""
+    metrics = (prev or {}).get("metrics")
+    if not isinstance(metrics, dict):
+        return None
+    why = metrics.get("loopBlind")
+    if why:
+        return True, "ReplicasUnscraped", str(why)
+    return False, "ReplicasScraped", "enough replicas answer their scrape to decide"
+
+
 def compute_status(
     *,
     name: str,
@@ -211,6 +229,9 @@ def compute_status(
             _condition(prev, type_, *law(d, problem), generation, now) for type_, law in CONDITIONS
         ],
     }
+    blind = loop_blind(prev)
+    if blind is not None:
+        status["conditions"].append(_condition(prev, LOOP_BLIND, *blind, generation, now))
     if url:
         status["url"] = url
     if d and d.image:

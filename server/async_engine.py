@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchpilot.server.faults import MAX_CONSECUTIVE_STEP_FAILURES, StepFailed
 from batchpilot.server.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,10 @@ class EngineNotReady(RuntimeError):
 
 class EngineFailed(RuntimeError):
     pass
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this request (a step serving it raised) and went on serving."""
 
 
 @dataclass
@@ -45,15 +50,19 @@ class StepResult:
 class RequestStream:
     """The engine requests of one HTTP request (n choices, or a batch of prompts).
 
-    Iterating yields, once per engine step, the list of that step's RequestOutputs for
-    these requests, until all have finished. `close()` aborts whatever is unfinished: call
-    it when the client goes away.
+    Iterating yields the RequestOutputs these requests produced since the last read, until
+    all have finished. Outputs a reader has not taken yet coalesce: at most the newest one
+    per request is held (its delta covers every step since the last read), so a client that
+    stops reading pins O(output length) per choice, not one copy of the text per step.
+    `close()` aborts whatever is unfinished: call it when the client goes away.
     """
 
     def __init__(self, owner: "AsyncEngine", request_ids: list[str]):
         self.request_ids = request_ids
         self._owner = owner
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pending: dict[str, Any] = {}  # request id -> newest unread RequestOutput
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
         self._unfinished = set(request_ids)
         self.admitted: asyncio.Future = asyncio.get_running_loop().create_future()
 
@@ -63,14 +72,30 @@ class RequestStream:
     async def __anext__(self) -> list:
         if not self._unfinished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
+        await self._ready.wait()
+        if not self._pending:  # only an error is left to hand over
             self._unfinished.clear()
-            raise item
-        for out in item:
+            raise self._error
+        outs = list(self._pending.values())
+        self._pending.clear()
+        if self._error is None:
+            self._ready.clear()
+        for out in outs:
             if out.finished:
                 self._unfinished.discard(out.request_id)
-        return item
+        return outs
+
+    def put(self, outs: list) -> None:
+        """Hand over one step's outputs (event loop only)."""
+        for out in outs:
+            earlier = self._pending.get(out.request_id)
+            self._pending[out.request_id] = out if earlier is None else _coalesce(earlier, out)
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with error, after the outputs already handed over."""
+        self._error = error
+        self._ready.set()
 
     @property
     def finished(self) -> bool:
@@ -80,6 +105,14 @@ class RequestStream:
         if self._unfinished:
             self._owner.abort(sorted(self._unfinished))
             self._unfinished.clear()
+
+
+def _coalesce(earlier, later):
+    """later, with the deltas of earlier (which no reader took) in front of its own."""
+    a, b = earlier.outputs[0], later.outputs[0]
+    b.delta_text = a.delta_text + b.delta_text
+    b.delta_token_ids = a.delta_token_ids + b.delta_token_ids
+    return later
 
 
 class AsyncEngine:
@@ -96,6 +129,7 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._calls: list[tuple[asyncio.Future, Callable[[Any], Any]]] = []
         self._stopping = False
+        self._failed_steps = 0  # in a row; engine thread only
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # Touched only on the event loop thread.
@@ -195,6 +229,9 @@ class AsyncEngine:
             else:
                 future.set_exception(error)
         self.stats = result.stats
+        for out in result.outputs:
+            if out.error is not None and out.request_id in self._streams:
+                self._fail_request(self._streams[out.request_id], out.error)
         by_stream: dict[int, tuple[RequestStream, list]] = {}
         for out in result.outputs:
             stream = self._streams.get(out.request_id)
@@ -204,9 +241,15 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
         for stream, outs in by_stream.values():
-            stream._queue.put_nowait(outs)
+            stream.put(outs)
         if self._on_step is not None:
             self._on_step(result)
+
+    def _fail_request(self, stream: RequestStream, message: str) -> None:
+        """One of stream's requests failed: the client gets the error, not fewer choices,
+        so the others are aborted."""
+        stream.fail(RequestFailed(message))
+        self.abort([rid for rid in stream.request_ids if rid in self._streams])
 
     def _loaded(self, engine_config, tokenizer, stats: EngineStats) -> None:
         self.config = engine_config
@@ -227,7 +270,7 @@ class AsyncEngine:
         for stream in set(self._streams.values()):
             if not stream.admitted.done():
                 stream.admitted.set_exception(error)
-            stream._queue.put_nowait(error)
+            stream.fail(error)
         self.abort(request_ids)
 
     # ---- engine thread ---------------------------------------------------------------
@@ -267,11 +310,27 @@ class AsyncEngine:
                 engine.abort_request(rid)
             call_results = [self._call(engine, future, fn) for future, fn in calls]
             stepped = engine.has_unfinished_requests()
-            outputs = engine.step() if stepped else []
+            outputs = self._step(engine) if stepped else []
             result = StepResult(
                 outputs, engine.stats(), stepped, time.monotonic(), admissions, aborts, call_results
             )
             loop.call_soon_threadsafe(self._deliver, result)
+
+    def _step(self, engine) -> list:
+        """engine.step(); a failed step hands back its batch's error outputs, and only
+        MAX_CONSECUTIVE_STEP_FAILURES in a row end the engine (StepFailed escapes)."""
+        try:
+            outputs = engine.step()
+        except StepFailed as failed:
+            self._failed_steps += 1
+            logger.error("an engine step failed (%d in a row; %d end the engine); its "
+                         "requests fail, the others go on", self._failed_steps,
+                         MAX_CONSECUTIVE_STEP_FAILURES, exc_info=failed.__cause__)  # fmt: skip
+            if self._failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise
+            return failed.outputs
+        self._failed_steps = 0
+        return outputs
 
     @staticmethod
     def _add(engine, requests, arrival: float) -> BaseException | None:

@@ -51,7 +51,8 @@ class EngineConfig:
     max_num_seqs: int = knob(64, "most sequences in one step; changes live (/admin/config)")
     max_num_batched_tokens: int | None = knob(None, "token budget of one step (default: 2048 "
                                               "on GPUs, 512 on CPUs; max_model_len without "
-                                              "chunked prefill)")  # fmt: skip
+                                              "chunked prefill); changes live (/admin/config) "
+                                              "up to the value started with")  # fmt: skip
     block_size: int = knob(16, "tokens per KV-cache block", choices=names.BLOCK_SIZES)
     kv_cache_dtype: str = knob("auto", "auto: the model dtype; fp8 (e4m3) halves bf16's "
                                "footprint", choices=names.KV_CACHE_DTYPES)  # fmt: skip
@@ -76,7 +77,9 @@ class EngineConfig:
     # so benchmarks can compare against static batching inside the same engine.
     scheduling_policy: str = knob("continuous", "continuous, or static batching for comparison",
                                   choices=names.SCHEDULING_POLICIES)  # fmt: skip
-    seed: int = knob(0, "seeds the per-request seeds of requests that bring none")
+    seed: int | None = knob(None, "seeds the per-request seeds of requests that bring none "
+                            "(default: drawn from the OS, so that replicas and restarts "
+                            "differ and no client can predict another's samples)")  # fmt: skip
     logprobs_mode: str = knob("raw_logprobs", "what logprobs report: the raw model's "
                               "distribution, or the one each token was drawn from (after "
                               "logit_bias, penalties, temperature, min_p, top-k/top-p)",
@@ -128,22 +131,65 @@ class EngineConfig:
             )
         self.apply_live_change({})
 
-    def live_change(self, changes: dict) -> dict:
+    def live_change(self, changes: dict, max_num_seqs_limit: int | None = None,
+                    max_step_tokens: int | None = None) -> dict:  # fmt: skip
         """Check a change to the knobs that change while serving (names.LIVE_KNOBS);
-        -> every field update it implies. Raises ConfigError, changing nothing."""
+        -> every field update it implies. Raises ConfigError, changing nothing.
+        max_num_seqs_limit: the most sequences the running engine can hold (its KV blocks
+        and the step budget it was profiled with); max_step_tokens: that profiled step
+        budget. Both None before the engine exists."""
         unknown = sorted(set(changes) - set(names.LIVE_KNOBS))
         if unknown:
             raise ConfigError(f"{', '.join(unknown)} cannot be changed while the server runs; "
                               f"live: {', '.join(names.LIVE_KNOBS)}")  # fmt: skip
+        for name, value in changes.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         seqs = changes.get("max_num_seqs", self.max_num_seqs)
-        if not isinstance(seqs, int) or isinstance(seqs, bool) or seqs < 1:
-            raise ConfigError(f"max_num_seqs must be an integer >= 1, got {seqs!r}")
-        # A step must have room for one token of every sequence it runs.
-        batched = max(self.max_num_batched_tokens or seqs, seqs)
+        if max_num_seqs_limit is not None and seqs > max_num_seqs_limit:
+            raise ConfigError(
+                f"max_num_seqs {seqs} is more than this replica can hold: at most "
+                f"{max_num_seqs_limit} (one KV block each, one token each in the "
+                f"{max_step_tokens or self.max_num_batched_tokens}-token step it was started "
+                "with); restart it with a larger --kv-cache-memory or --max-num-batched-tokens "
+                "for more"
+            )
+        if "max_num_batched_tokens" in changes:
+            batched = changes["max_num_batched_tokens"]
+            self._check_step_budget(batched, seqs, max_step_tokens)
+        else:
+            # A step must have room for one token of every sequence it runs: raising
+            # max_num_seqs alone raises the budget with it (within the profiled one, as
+            # max_num_seqs_limit is).
+            batched = max(self.max_num_batched_tokens or seqs, seqs)
         return {"max_num_seqs": seqs, "max_num_batched_tokens": batched}
 
-    def apply_live_change(self, changes: dict) -> None:
-        for name, value in self.live_change(changes).items():
+    def _check_step_budget(self, batched: int, seqs: int, max_step_tokens: int | None) -> None:
+        """A step budget asked for explicitly: never past the one the engine profiled (which
+        sized its activations and, on GPUs, the KV cache), whole prompts without chunked
+        prefill, and one token of every running sequence."""
+        if max_step_tokens is not None and batched > max_step_tokens:
+            raise ConfigError(
+                f"max_num_batched_tokens {batched} is more than the {max_step_tokens}-token "
+                "step this replica was started (profiled) with; restart it with a larger "
+                "--max-num-batched-tokens for more"
+            )
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and batched < self.max_model_len):  # fmt: skip
+            raise ConfigError(
+                f"max_num_batched_tokens {batched} < max_model_len {self.max_model_len} needs "
+                "--enable-chunked-prefill: a full-length prompt would never fit in one step"
+            )
+        if batched < seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens {batched} < max_num_seqs {seqs}: a step must hold one "
+                "token of every running sequence; lower max_num_seqs in the same change"
+            )
+
+    def apply_live_change(self, changes: dict, max_num_seqs_limit: int | None = None,
+                          max_step_tokens: int | None = None) -> None:  # fmt: skip
+        updates = self.live_change(changes, max_num_seqs_limit, max_step_tokens)
+        for name, value in updates.items():
             setattr(self, name, value)
 
     def public(self) -> dict:

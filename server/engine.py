@@ -13,14 +13,15 @@ import torch
 
 from batchpilot.server.config import EngineConfig
 from batchpilot.server.device import resolve_device, resolve_dtype
+from batchpilot.server.faults import StepFailed
 from batchpilot.server.kv.block_pool import BlockPool, SwapSpace
 from batchpilot.server.kv.manager import KVCacheManager, cdiv
 from batchpilot.server.model.loader import LOAD_STAGES, load_model
 from batchpilot.server.model.runner import ModelRunner, ModelRunnerOutput
 from batchpilot.server.output_processor import OutputProcessor
-from batchpilot.server.outputs import RequestOutput
+from batchpilot.server.outputs import CompletionOutput, RequestOutput
 from batchpilot.server.sampling_params import SamplingParams
-from batchpilot.server.scheduler import Scheduler
+from batchpilot.server.scheduler import Scheduler, SchedulerOutput
 from batchpilot.server.sequence import Sequence
 from batchpilot.server.stats import EngineStats, engine_stats
 
@@ -52,14 +53,24 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []  # returned by the next step
-        self._rng = random.Random(config.seed)
+        # Unseeded requests get their seed from here: the OS unless --seed fixes the series.
+        self._rng = random.SystemRandom() if config.seed is None else random.Random(config.seed)
+        # The step budget profiled at start (which sized the KV cache on GPUs): a live
+        # budget past it could run out of activation memory.
+        self.max_step_tokens = config.max_num_batched_tokens
+        # A live max_num_seqs past this would need more blocks than exist, or a step larger
+        # than the profiled one.
+        self.max_live_num_seqs = min(self.max_step_tokens,
+                                     pool.num_blocks - self.kv_manager.watermark_blocks)  # fmt: skip
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:  # fmt: skip
+    def add_request(self, request_id: str, prompt: str | list[int] | dict,
+                    params: SamplingParams, arrival_time: float | None = None) -> None:  # fmt: skip
+        """prompt: text, token ids, or vLLM's TokensPrompt {"prompt_token_ids": [...]} with
+        an optional "prompt" text (kept for echo): how the server hands over prompts it has
+        tokenized already, so the engine thread never tokenizes for it."""
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer(prompt)["input_ids"] if text is not None else list(prompt)
+        text, ids = self._prompt_parts(prompt)
         self._check_fits(ids, params)
         params.update_from_eos(self.eos_token_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -69,6 +80,13 @@ class LLMEngine:
         self.output_processor.add(seq)
         self.scheduler.add(seq)
 
+    def _prompt_parts(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt)["input_ids"]
+        return None, list(prompt)
+
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         limit = self.config.max_model_len
         if not ids:
@@ -77,6 +95,11 @@ class LLMEngine:
             raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})")
         if any(not 0 <= t < self.vocab_size for t in params.logit_bias or ()):
             raise RequestRejected(f"logit_bias token ids must be in [0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise RequestRejected(f"stop_token_ids must be in [0, {self.vocab_size})")
+        if params.top_k > self.vocab_size:
+            raise RequestRejected(f"top_k must be at most the vocabulary size "
+                                  f"{self.vocab_size} (or -1 for all), got {params.top_k}")  # fmt: skip
         if len(ids) > limit:
             raise RequestRejected(
                 f"This model's maximum context length is {limit} tokens. However, your request "
@@ -97,6 +120,10 @@ class LLMEngine:
                 f"at most {usable}; reduce the prompt or max_tokens"
             )
 
+    def apply_live_change(self, changes: dict) -> None:
+        """Change live knobs (names.LIVE_KNOBS) between steps; ConfigError changes nothing."""
+        self.config.apply_live_change(changes, self.max_live_num_seqs, self.max_step_tokens)
+
     def abort_request(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
@@ -107,14 +134,29 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, run and postprocess one step. A request whose sampling alone raised
+        is failed by itself (its output carries `error`). Anything else that raises fails
+        the step's whole batch the same way and raises StepFailed, with the engine left
+        consistent: the batch's blocks are freed and those the step was filling are
+        dropped from the prefix cache, so the engine can go on with other requests."""
         outputs, self._aborted = self._aborted, []
-        decision = self.scheduler.schedule()
+        scheduled: list[tuple[Sequence, int]] = []
+        try:
+            decision = self.scheduler.schedule()
+            scheduled = decision.scheduled
+            return outputs + self._run(decision)
+        except Exception as error:
+            outputs += [self._fail(seq, error) for seq, _ in scheduled]
+            raise StepFailed(outputs) from error
+
+    def _run(self, decision: SchedulerOutput) -> list[RequestOutput]:
         self.runner.swap(decision)
         if not decision.scheduled:
-            return outputs
+            return []
         ran = self.runner.execute(decision.scheduled)
         _record_logprobs(decision.scheduled, ran)
         appended = self.scheduler.postprocess(decision.scheduled, ran.sampled_token_ids)
+        outputs = [self._fail(decision.scheduled[i][0], e) for i, e in ran.faults.items()]
         for seq in self.output_processor.find_stop_strings(appended):
             self.scheduler.finish(seq, "stop")
         for seq in appended:
@@ -122,6 +164,17 @@ class LLMEngine:
                 del self.seqs[seq.request_id]
             outputs.append(self.output_processor.output(seq, seq.token_ids[-1:]))
         return outputs
+
+    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """End seq because its step raised error; its final output says so."""
+        self.kv_manager.forget_uncomputed(seq)
+        self.scheduler.finish(seq, "abort")
+        self.seqs.pop(seq.request_id, None)
+        self.output_processor.discard(seq.request_id)
+        message = f"the engine failed this request ({type(error).__name__}); see the server log"
+        completion = CompletionOutput(0, "", seq.output_token_ids, "", [], "abort")
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
+                             True, seq.timings, seq.num_cached_tokens, error=message)  # fmt: skip
 
     def stats(self) -> EngineStats:
         return engine_stats(self.scheduler, self.config)

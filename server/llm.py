@@ -51,6 +51,8 @@ class LLM:
         with tqdm(total=len(order), desc="generate", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
+                    if out.error is not None:
+                        raise RuntimeError(f"request {out.request_id}: {out.error}")
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)

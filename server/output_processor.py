@@ -47,6 +47,10 @@ class OutputProcessor:
                 stopped.append(seq)
         return stopped
 
+    def discard(self, request_id: str) -> None:
+        """Forget a request that ends without a final output from here."""
+        self.requests.pop(request_id, None)
+
     def output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         """seq's output after this step; the last one for a finished sequence."""
         finished = seq.is_finished

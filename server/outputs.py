@@ -28,3 +28,4 @@ class RequestOutput:
     metrics: Timings
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # one per prompt token, the first None
+    error: str | None = None  # set when the engine failed this request (finished, "abort")

@@ -9,7 +9,9 @@ logprobs_mode "processed_logprobs" reports the distribution actually sampled fro
 instead: after the processors, and for non-greedy rows after temperature, min_p, top-k
 and top-p, as vLLM's mode of that name does."""
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,11 +24,14 @@ from batchpilot.server.penalties import (
 )
 from batchpilot.server.sequence import Sequence
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int | None]  # None only for a row in faults
     logprobs: list[PositionLogprobs | None]  # per row; None where not asked for
+    faults: dict[int, Exception] = field(default_factory=dict)  # row -> what its sampling raised
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
@@ -63,6 +68,35 @@ def sample(logits: torch.Tensor, seqs: list[Sequence],
     for i, position in zip(wanted, gathered, strict=True):
         logprobs[i] = position
     return SamplerOutput(tokens.tolist(), logprobs)
+
+
+def sample_isolating_faults(logits: torch.Tensor, seqs: list[Sequence], logprobs_mode: str,
+                            recompute: Callable[[], torch.Tensor]) -> SamplerOutput:  # fmt: skip
+    """sample(), except that when the batch raises, the rows whose sampling alone raises
+    are failed (faults) and the others are sampled as the batch would have sampled them.
+    recompute() gives the logits again: sample() has changed them in place by then. Until
+    a batch raises, the only cost is saving the generator states of the seeded rows that
+    draw, which a batch that raised may have advanced."""
+    seeded = [(s.generator, s.generator.get_state()) for s in seqs
+              if s.params.seed is not None and not s.params.greedy]  # fmt: skip
+    try:
+        return sample(logits, seqs, logprobs_mode)
+    except Exception:
+        logger.exception("sampling a batch of %d sequences failed; sampling each alone",
+                         len(seqs))  # fmt: skip
+    for generator, state in seeded:
+        generator.set_state(state)
+    fresh = recompute()
+    out = SamplerOutput([None] * len(seqs), [None] * len(seqs))
+    for i, seq in enumerate(seqs):
+        try:
+            row = sample(fresh[i : i + 1], [seq], logprobs_mode)
+        except Exception as error:
+            logger.exception("sampling request %s failed; failing it alone", seq.request_id)
+            out.faults[i] = error
+            continue
+        out.token_ids[i], out.logprobs[i] = row.token_ids[0], row.logprobs[0]
+    return out
 
 
 def _apply_processors(logits: torch.Tensor, seqs: list[Sequence]) -> None:

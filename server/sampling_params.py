@@ -1,5 +1,6 @@
 """SamplingParams, shaped like vLLM's: the same field names, defaults and bounds."""
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs, and OpenAI's bound on top_logprobs
@@ -45,6 +46,14 @@ class SamplingParams:
                 raise ValueError(message)
 
     def _checks(self):
+        # NaN passes no comparison but inf passes one-sided bounds, and either poisons a
+        # whole row of logits.
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):  # fmt: skip
+            value = getattr(self, name)
+            yield math.isfinite(value), f"{name} must be a finite number, got {value}"
+        yield (all(math.isfinite(b) for b in (self.logit_bias or {}).values()),
+               "logit_bias values must be finite numbers")  # fmt: skip
         yield (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
                f"max_tokens must be at least 1, got {self.max_tokens}")  # fmt: skip
         yield self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}"

@@ -23,6 +23,7 @@ class EngineStats(SchedulerCounters):
     num_free_cpu_blocks: int
     cpu_cache_usage: float  # fraction of CPU swap blocks in use, 0-1
     max_num_seqs: int
+    max_num_batched_tokens: int
     kv_cache_dtype: str
     block_size: int
     max_concurrency: float  # max_model_len-token sequences the KV cache holds at once
@@ -41,6 +42,7 @@ def engine_stats(scheduler: Scheduler, config: EngineConfig) -> EngineStats:
         num_free_cpu_blocks=swap.num_free,
         cpu_cache_usage=1.0 - swap.num_free / swap.num_blocks if swap.num_blocks else 0.0,
         max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
         kv_cache_dtype=config.kv_cache_dtype,
         block_size=config.block_size,
         max_concurrency=pool.num_blocks / cdiv(config.max_model_len, config.block_size),

@@ -51,7 +51,7 @@ async def patch_config(request: Request, ctx: ServerContext = Depends(require_ad
 
     def apply(engine) -> dict:  # on the engine thread, between two steps
         before = engine.config.public()
-        engine.config.apply_live_change(changes)
+        engine.apply_live_change(changes)
         return before
 
     try:

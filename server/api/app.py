@@ -1,7 +1,11 @@
-"""The FastAPI app and `batchpilot serve`.
+"""The FastAPI apps and `batchpilot serve`.
 
 uvicorn starts serving at once; the engine loads on its own thread meanwhile, so /health
 answers during a long load and /ready turns 200 only when the model is loaded.
+
+/admin/* is a second app on its own port (--admin-port), served by the same event loop:
+the public port, and so the Service in front of it, never routes to it. It exists only
+when an admin token is configured.
 """
 
 import asyncio
@@ -32,6 +36,8 @@ logger = logging.getLogger("batchpilot.serve")
 # Seconds uvicorn waits for connections after the drain, before cancelling them: the drain
 # itself (--shutdown-timeout) already waited for the requests.
 CONNECTION_CLOSE_GRACE = 5.0
+# An admin body is one small JSON object of knobs.
+ADMIN_BODY_BYTES = 64 << 10
 
 
 def build_app(
@@ -42,11 +48,13 @@ def build_app(
     admin_token: str | None = None,
     max_queue_len: int = 1024,
     max_request_body_bytes: int = 4 << 20,
+    stream_stall_timeout: float = 60.0,
     log_stats_interval: float = 0.0,
     on_loaded: Callable[[AsyncEngine], None] | None = None,
     on_load_failed: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
-    """make_engine() -> LLMEngine runs on the engine thread when the app starts."""
+    """The public app. make_engine() -> LLMEngine runs on the engine thread when the app
+    starts; app.state.context is what build_admin_app shares."""
     metrics: ServerMetrics | None = None
 
     def on_step(step) -> None:
@@ -56,7 +64,7 @@ def build_app(
     metrics = ServerMetrics(served_model_name, lambda: engine.stats)
     lifecycle = Lifecycle()
     context = ServerContext(engine, lifecycle, metrics, served_model_name, admin_token,
-                            max_queue_len)  # fmt: skip
+                            max_queue_len, stream_stall_timeout)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -75,13 +83,31 @@ def build_app(
     app = FastAPI(title="batchpilot", version=__version__, lifespan=lifespan)
     app.state.context = context
     install_error_handlers(app)
-    for module in (completions, chat, tokenize, probes, admin):
+    for module in (completions, chat, tokenize, probes):
         app.include_router(module.router)
     # Added innermost first: the drain gate answers before auth, auth before the body.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(GateMiddleware, lifecycle=lifecycle)
     return app
+
+
+def build_admin_app(context: ServerContext) -> FastAPI:
+    """/admin/* for the operator, over the public app's engine; its own token guards it."""
+    app = FastAPI(title="batchpilot admin", version=__version__, openapi_url=None)
+    app.state.context = context
+    install_error_handlers(app)
+    app.include_router(admin.router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=ADMIN_BODY_BYTES)
+    return app
+
+
+class SideServer(uvicorn.Server):
+    """uvicorn for the admin app: it leaves the signals to the public server, whose SIGTERM
+    drains, and is stopped by it."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
 
 
 async def _after_load(engine: AsyncEngine, on_loaded, on_load_failed) -> None:
@@ -155,6 +181,7 @@ def serve(args) -> int:
         admin_token=args.admin_token,
         max_queue_len=args.max_queue_len,
         max_request_body_bytes=args.max_request_body_bytes,
+        stream_stall_timeout=args.stream_stall_timeout,
         log_stats_interval=args.log_stats_interval,
         on_loaded=on_loaded,
         on_load_failed=on_load_failed,
@@ -163,9 +190,45 @@ def serve(args) -> int:
     async def end_remaining() -> None:
         await app.state.context.engine.shutdown()
 
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
-                               timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE)  # fmt: skip
+    uv_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_config=None,
+        timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE,
+        limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive,
+        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+    )  # fmt: skip
     server = DrainingServer(uv_config, app.state.context.lifecycle, args.shutdown_timeout,
                             end_remaining)  # fmt: skip
-    server.run()
+    admin_server = None
+    if args.admin_token:
+        admin_app = build_admin_app(app.state.context)
+        admin_server = SideServer(uvicorn.Config(admin_app, host=args.host, port=args.admin_port,
+                                                 log_config=None, lifespan="off"))  # fmt: skip
+        logger.info("admin API on http://%s:%d/admin", args.host, args.admin_port)
+    with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:
+        runner.run(_serve_both(server, admin_server, failed))
     return 1 if failed else 0
+
+
+async def _serve_both(server: uvicorn.Server, admin_server: uvicorn.Server | None,
+                      failed: list) -> None:  # fmt: skip
+    """Run the public server, and the admin one beside it for as long as it runs. If the
+    admin listener cannot start (its port is taken), the whole server exits with an error
+    rather than serve without the operator's control path."""
+    if admin_server is None:
+        return await server.serve()
+
+    def admin_ended(task: asyncio.Task) -> None:
+        if not server.should_exit:
+            failed.append(RuntimeError("the admin listener stopped"))
+            logger.error("the admin listener on port %d stopped; exiting",
+                         admin_server.config.port)  # fmt: skip
+            server.should_exit = True
+
+    admin_task = asyncio.create_task(admin_server.serve())
+    admin_task.add_done_callback(admin_ended)
+    try:
+        await server.serve()
+    finally:
+        admin_server.should_exit = True
+        with contextlib.suppress(BaseException):  # a failed start already said why
+            await admin_task

@@ -1,4 +1,4 @@
-"""Bearer-token checks: --api-key on /v1/* (as vLLM does it) and the admin token.
+"""Bearer-token checks: --api-key on the public port and the admin token on the admin port.
 
 Tokens are compared in constant time and never logged.
 """
@@ -25,9 +25,15 @@ def token_matches(presented: str | None, expected: str) -> bool:
     return presented is not None and hmac.compare_digest(presented.encode(), expected.encode())
 
 
+# What the kubelet and Prometheus reach without credentials: nothing they answer reveals
+# a prompt or runs the model.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
 class ApiKeyMiddleware:
-    """401 on /v1/* without `Authorization: Bearer <api key>`. Other paths (/health,
-    /ready, /metrics, /admin with its own token) stay open, as in vLLM."""
+    """401 without `Authorization: Bearer <api key>` on every route but the probes and
+    /metrics: /v1/*, /tokenize, /detokenize, /version and the OpenAPI schema alike, since
+    tokenizing is work that an unauthenticated client should not be able to ask for."""
 
     def __init__(self, app, api_key: str | None):
         self.app = app
@@ -37,7 +43,7 @@ class ApiKeyMiddleware:
         if (
             self.api_key
             and scope["type"] == "http"
-            and scope["path"].startswith("/v1/")
+            and scope["path"] not in OPEN_PATHS
             and scope["method"] != "OPTIONS"
             and not token_matches(bearer_token(scope["headers"]), self.api_key)
         ):

@@ -7,6 +7,7 @@ from batchpilot.server.api.context import ServerContext, get_context
 from batchpilot.server.api.errors import APIError
 from batchpilot.server.api.generation import check_model, require_engine
 from batchpilot.server.api.logprobs import chat_logprobs
+from batchpilot.server.api.prompts import check_messages, off_loop
 from batchpilot.server.api.protocol import ChatCompletionRequest
 from batchpilot.server.api.serving import Endpoint, respond
 
@@ -51,9 +52,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  ctx: ServerContext = Depends(get_context)):  # fmt: skip
     model = check_model(ctx, body.model)
     require_engine(ctx)
-    prompt = render_prompt(ctx.engine.tokenizer, body)
+    tokenizer, max_model_len = ctx.engine.tokenizer, ctx.engine.config.max_model_len
+    check_messages(tokenizer, max_model_len, body.messages)
+    prompt = await off_loop(render_prompt, tokenizer, body)
     # Without a limit a chat answer may use the rest of the context, as in vLLM.
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
-        max_tokens = max(1, ctx.engine.config.max_model_len - len(prompt))
+        max_tokens = max(1, max_model_len - len(prompt))
     return await respond(ctx, request, body, CHAT, model, [prompt], max_tokens)

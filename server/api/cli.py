@@ -25,6 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "without one the admin API is disabled",
     )
     g.add_argument(
+        "--admin-port",
+        type=int,
+        default=names.DEFAULT_ADMIN_PORT,
+        help="port of /admin/*, apart from the public API (on --host, with an admin token)",
+    )
+    g.add_argument(
         "--max-queue-len",
         type=int,
         default=1024,
@@ -38,6 +44,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-request-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413"
+    )
+    g.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a streamed response may wait on a client that reads nothing before "
+        "its request is aborted",
+    )
+    # uvicorn's own limits, under uvicorn's names (vLLM passes the same through).
+    g.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=2048,
+        help="open connections and requests beyond this get 503 from uvicorn",
+    )
+    g.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=5,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    g.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=16 << 10,
+        help="bytes of request line and headers accepted before 400",
     )
     g.add_argument(
         "--log-stats-interval",

@@ -7,6 +7,7 @@ from batchpilot.server.api.context import ServerContext, get_context
 from batchpilot.server.api.errors import APIError
 from batchpilot.server.api.generation import check_model, require_engine
 from batchpilot.server.api.logprobs import completion_logprobs
+from batchpilot.server.api.prompts import completion_prompts
 from batchpilot.server.api.protocol import CompletionRequest
 from batchpilot.server.api.serving import Endpoint, respond
 
@@ -32,5 +33,7 @@ async def create_completion(body: CompletionRequest, request: Request,
     if max_tokens == 0 and not body.echo:
         raise APIError(400, "max_tokens must be at least 1 (0 only with echo), got 0",
                        "max_tokens")  # fmt: skip
-    return await respond(ctx, request, body, COMPLETIONS, model, body.prompts(), max_tokens,
+    prompts = await completion_prompts(ctx.engine.tokenizer, ctx.engine.config.max_model_len,
+                                       body.prompts())  # fmt: skip
+    return await respond(ctx, request, body, COMPLETIONS, model, prompts, max_tokens,
                          echo=body.echo)  # fmt: skip

@@ -18,6 +18,7 @@ class ServerContext:
     served_model_name: str
     admin_token: str | None
     max_queue_len: int
+    stream_stall_timeout: float  # seconds one SSE write may wait for a slow reader
     created: int = field(default_factory=lambda: int(time.time()))
 
 

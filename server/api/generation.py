@@ -1,15 +1,18 @@
 """What both generation routes do around the engine: admission (model name, queue bound,
 engine rejections as 400), waiting for a result while watching for the client to leave,
-and a streaming response that aborts its requests however it ends."""
+and the error event of a stream that fails after its header went out."""
 
 import asyncio
-
-from starlette.responses import StreamingResponse
 
 from batchpilot.server.api.context import ServerContext
 from batchpilot.server.api.errors import APIError, error_body
 from batchpilot.server.api.responses import sse
-from batchpilot.server.async_engine import EngineFailed, EngineNotReady, RequestStream
+from batchpilot.server.async_engine import (
+    EngineFailed,
+    EngineNotReady,
+    RequestFailed,
+    RequestStream,
+)
 
 # Seconds a client told 429 should wait: about the time a CPU engine needs to move a
 # queue slot; short enough that a retrying client keeps the queue fed.
@@ -34,10 +37,14 @@ async def start(ctx: ServerContext, requests: list[tuple]) -> RequestStream:
     """Hand the engine requests over; the HTTP errors for everything that can refuse them."""
     engine = ctx.engine
     require_engine(ctx)
-    if engine.num_waiting >= ctx.max_queue_len:
-        raise APIError(429, f"Too many requests waiting ({engine.num_waiting}; the limit is "
-                       f"{ctx.max_queue_len}). Retry later.",
-                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)})  # fmt: skip
+    # Counted in sequences (prompts x n), as the engine queues them, and refused whole.
+    if len(requests) > ctx.max_queue_len:
+        raise APIError(400, f"The request asks for {len(requests)} sequences (prompts x n) "
+                       f"but at most {ctx.max_queue_len} may wait at once.", "n")  # fmt: skip
+    if engine.num_waiting + len(requests) > ctx.max_queue_len:
+        raise APIError(429, f"Too many requests waiting ({engine.num_waiting} sequences, and "
+                       f"this request adds {len(requests)}; the limit is {ctx.max_queue_len}). "
+                       "Retry later.", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})  # fmt: skip
     try:
         return await engine.submit(requests)
     except EngineNotReady as e:
@@ -78,24 +85,10 @@ async def collect(stream: RequestStream, receive) -> dict | None:
             consumer.result()
         except EngineFailed as e:
             raise APIError(503, str(e)) from e
+        except RequestFailed as e:
+            raise APIError(500, str(e)) from e
         return final
     return None
-
-
-class AbortingStreamingResponse(StreamingResponse):
-    """Closes the stream (aborting what is unfinished) however the response ends: completed,
-    client disconnect, or cancellation at shutdown."""
-
-    def __init__(self, content, stream: RequestStream):
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(content, media_type="text/event-stream", headers=headers)
-        self._stream = stream
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._stream.close()
 
 
 def stream_error_event(error: Exception) -> str:

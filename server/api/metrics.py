@@ -45,6 +45,11 @@ class EngineStatsCollector:
         (names.KV_CACHE_USAGE, "kv_cache_usage", "Fraction of KV-cache blocks in use (0-1)."),
         (names.CPU_CACHE_USAGE, "cpu_cache_usage", "Fraction of CPU swap blocks in use (0-1)."),
         (names.MAX_NUM_SEQS_METRIC, "max_num_seqs", "max_num_seqs in force (admin API)."),
+        (
+            names.MAX_NUM_BATCHED_TOKENS_METRIC,
+            "max_num_batched_tokens",
+            "Step token budget in force (admin API).",
+        ),
     )
     COUNTERS = (
         (names.NUM_PREEMPTIONS, "num_preemptions", "Preemptions (swap or recompute)."),

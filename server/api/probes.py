@@ -12,10 +12,11 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(ctx: ServerContext = Depends(get_context)) -> Response:
-    """Alive: the process answers and its engine thread has not died (a liveness probe
-    restarting a dead engine is the right outcome)."""
+    """Alive: the process answers and its engine has not died (a liveness probe restarting
+    a dead engine is the right outcome). A failed step does not kill it: only
+    MAX_CONSECUTIVE_STEP_FAILURES in a row do."""
     if ctx.engine.failure is not None:
-        raise APIError(500, f"The engine failed: {ctx.engine.failure!r}")
+        raise APIError(503, f"The engine failed: {ctx.engine.failure!r}")
     return Response(status_code=200)
 
 

@@ -8,19 +8,29 @@ that would change the result but that this server does not implement are rejecte
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from batchpilot.server.api.errors import APIError
 
 # Bounds that keep a single request from asking for absurd work; the 413 body limit and
-# max_model_len bound the rest.
-MAX_N = 128
+# max_model_len bound the rest (docs/api.md, "Security and bounds").
+MAX_N = 128  # OpenAI's bound on n
+# Engine sequences one request may start (prompts x n): each is a queue slot and, once
+# running, a batch slot and KV blocks. OpenAI caps n at 128 and a prompt batch at 2048
+# strings; their product would let one request fill --max-queue-len many times over.
+MAX_SEQS_PER_REQUEST = 256
 MAX_STOP_SEQUENCES = 16
+# Every stop string is searched in the text at every step, and streaming holds back its
+# length in characters; a longer stop string is no sensible use.
+MAX_STOP_STRING_CHARS = 512
+# Each entry costs one indexed add per row per step; 300 is plenty to ban a word list.
+MAX_LOGIT_BIAS_ENTRIES = 300
 INT64_MAX = (1 << 63) - 1
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI allows 20 top_logprobs in chat
 
 PositiveInt = Annotated[int, Field(ge=1)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
 
 
 class StreamOptions(BaseModel):
@@ -30,18 +40,29 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by both endpoints. vLLM's extensions (top_k, ignore_eos,
     stop_token_ids, repetition_penalty, min_p, min_tokens, prompt_logprobs) are accepted at
-    the top level, as the openai client's extra_body sends them."""
+    the top level, as the openai client's extra_body sends them. Python's json accepts
+    NaN and Infinity, so every float is checked finite (allow_inf_nan=False).
 
-    model_config = ConfigDict(extra="ignore")
+    Every list a body can make long is fail_fast, and the long ones are measured before
+    their items are validated: pydantic otherwise reports one error per bad item (and per
+    union member), seconds of event-loop time for a 4 MiB body."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None  # the engine: <= vocab
     seed: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop: (
+        StopString
+        | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES, fail_fast=True)]
+        | None
+    ) = None
+    stop_token_ids: (
+        Annotated[list[TokenId], Field(max_length=MAX_STOP_SEQUENCES, fail_fast=True)] | None
+    ) = None
     ignore_eos: bool = False
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
@@ -50,10 +71,18 @@ class SamplingFields(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    logit_bias: dict[str, float] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     user: str | None = None
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bound_logit_bias(cls, biases):
+        if isinstance(biases, dict) and len(biases) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                             f"got {len(biases)}")  # fmt: skip
+        return biases
 
     @model_validator(mode="after")
     def _check_sampling(self):
@@ -80,9 +109,12 @@ class CompletionRequest(SamplingFields):
     # prompt or a batch, as OpenAI defines it.
     prompt: (
         str
-        | Annotated[list[str], Field(min_length=1)]
-        | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_SEQS_PER_REQUEST, fail_fast=True)]
+        | Annotated[list[TokenId], Field(min_length=1, fail_fast=True)]
+        | Annotated[
+            list[Annotated[list[TokenId], Field(min_length=1, fail_fast=True)]],
+            Field(min_length=1, max_length=MAX_SEQS_PER_REQUEST, fail_fast=True),
+        ]
     )
     max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0 only with echo
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -90,12 +122,26 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _bound_batch(cls, prompt):
+        # Before pydantic validates a million [1] as a list of prompts to refuse it after.
+        is_batch = isinstance(prompt, list) and not all(isinstance(x, int) for x in prompt)
+        if is_batch and len(prompt) > MAX_SEQS_PER_REQUEST:
+            raise ValueError(f"a prompt batch holds at most {MAX_SEQS_PER_REQUEST} prompts, "
+                             f"got {len(prompt)}")  # fmt: skip
+        return prompt
+
     @model_validator(mode="after")
     def _check_completion(self):
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported by this server; use n")
+        sequences = len(self.prompts()) * self.n
+        if sequences > MAX_SEQS_PER_REQUEST:
+            raise ValueError(f"{len(self.prompts())} prompt(s) x n={self.n} asks for {sequences} "
+                             f"sequences; one request may ask for at most {MAX_SEQS_PER_REQUEST}")  # fmt: skip
         return self
 
     def logprobs_params(self) -> tuple[int | None, int | None]:
@@ -123,7 +169,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(fail_fast=True)] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -132,7 +178,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None

@@ -11,13 +11,9 @@ from fastapi import Request, Response
 
 from batchpilot.server.api import responses as r
 from batchpilot.server.api.context import ServerContext
-from batchpilot.server.api.generation import (
-    AbortingStreamingResponse,
-    collect,
-    start,
-    stream_error_event,
-)
+from batchpilot.server.api.generation import collect, start, stream_error_event
 from batchpilot.server.api.protocol import sampling_params
+from batchpilot.server.api.streaming import AbortingStreamingResponse
 from batchpilot.server.async_engine import RequestStream
 
 # (index, text, finish_reason, logprobs, stop_reason) -> choice
@@ -74,7 +70,7 @@ async def respond(ctx: ServerContext, request: Request, body, endpoint: Endpoint
     reply = Reply(endpoint, base_id, model, int(time.time()), index, body.n, body.include_usage,
                   body, ctx.engine.tokenizer, echo, echo and max_tokens == 0)  # fmt: skip
     if body.stream:
-        return AbortingStreamingResponse(_events(stream, reply), stream)
+        return AbortingStreamingResponse(_events(stream, reply), stream, ctx.stream_stall_timeout)
     final = await collect(stream, request.receive)
     if final is None:
         return Response(status_code=499)  # nobody is listening; the requests were aborted

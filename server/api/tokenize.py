@@ -16,6 +16,7 @@ import batchpilot
 from batchpilot.server.api.context import ServerContext, get_context
 from batchpilot.server.api.errors import APIError
 from batchpilot.server.api.generation import check_model, require_engine
+from batchpilot.server.api.prompts import check_chars, check_messages, off_loop
 from batchpilot.server.api.protocol import ChatMessage, TokenId
 
 router = APIRouter()
@@ -34,7 +35,7 @@ class TokenizeChatRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -45,7 +46,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: Annotated[list[TokenId], Field(fail_fast=True)]
 
 
 @router.post("/tokenize")
@@ -53,17 +54,23 @@ async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest,
                    ctx: ServerContext = Depends(get_context)):  # fmt: skip
     check_model(ctx, body.model)
     require_engine(ctx)
-    tokenizer = ctx.engine.tokenizer
+    tokenizer, max_model_len = ctx.engine.tokenizer, ctx.engine.config.max_model_len
     if isinstance(body, TokenizeChatRequest):
-        ids = chat_token_ids(tokenizer, body)
+        check_messages(tokenizer, max_model_len, body.messages)
+        ids = await off_loop(chat_token_ids, tokenizer, body)
     else:
-        ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+        check_chars(tokenizer, max_model_len, len(body.prompt), "prompt")
+        ids = await off_loop(_token_ids, tokenizer, body)
     return {
         "count": len(ids),
         "max_model_len": ctx.engine.config.max_model_len,
         "tokens": ids,
         "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None,
     }
+
+
+def _token_ids(tokenizer, body: TokenizeCompletionRequest) -> list[int]:
+    return tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
 
 
 def chat_token_ids(tokenizer, body: TokenizeChatRequest) -> list[int]:
@@ -92,7 +99,7 @@ async def detokenize(body: DetokenizeRequest, ctx: ServerContext = Depends(get_c
     vocab = len(tokenizer)
     if any(t >= vocab for t in body.tokens):
         raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
-    return {"prompt": tokenizer.decode(body.tokens)}
+    return {"prompt": await off_loop(tokenizer.decode, body.tokens)}
 
 
 @router.get("/version")

@@ -44,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m batchpilot.server.bench.gpu",
         description="Triton kernels and the CUDA engine path, checked and timed on one GPU.",
+        allow_abbrev=False,
     )
     parser.add_argument("--batch-sizes", type=ints, default=(1, 16, 64, 256),
                         help="engine batch sizes, comma-separated")  # fmt: skip

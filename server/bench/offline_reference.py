@@ -12,7 +12,7 @@ from batchpilot.server.config import add_engine_args, config_from_args
 
 def engine_kwargs_from_serve_args(serve_args: list[str]) -> dict:
     """Parse the flags the sweep passes to `batchpilot serve` with serve's own engine parser."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_engine_args(parser)
     args, _ = parser.parse_known_args(serve_args)
     config = config_from_args(args)

@@ -87,6 +87,15 @@ class BlockPool:
         self.block_content[block] = (parent, tuple(tokens))
         self.cached[digest] = block
 
+    def forget(self, block: int, digest: bytes) -> None:
+        """Drop block's key if it is digest (it may have been cached under another block)."""
+        if self.block_hash[block] != digest:
+            return
+        self._uncache(block)
+        if block in self.evictable:
+            del self.evictable[block]
+            self.free_uncached.append(block)
+
     def reset_prefix_cache(self) -> None:
         for block in list(self.evictable):
             self._uncache(block)

@@ -77,6 +77,14 @@ class KVCacheManager:
             self.pool.release(b)
         seq.block_table = []
 
+    def forget_uncomputed(self, seq: Sequence) -> None:
+        """Take out of the prefix cache the blocks keyed for tokens not yet computed (a
+        failed step keyed them when it was scheduled): their K/V may be missing or partial."""
+        first = seq.num_computed_tokens // self.block_size
+        for block, digest in zip(seq.block_table[first:], seq.block_hashes[first:], strict=False):
+            self.pool.forget(block, digest)
+        del seq.block_hashes[first:]
+
     def reset_for_recompute(self, seq: Sequence) -> None:
         self.free(seq)
         seq.block_hashes = []

@@ -4,7 +4,7 @@ first, then prefill chunks) with per-token positions and slots, and logits are c
 only where a sequence will sample or scores a prompt token."""
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,7 +21,7 @@ from batchpilot.server.kv.manager import cdiv
 from batchpilot.server.logprobs import PositionLogprobs, compute_logprobs, gather_logprobs
 from batchpilot.server.model.cuda_graphs import DecodeGraphs
 from batchpilot.server.model.llama import LlamaDecoder
-from batchpilot.server.sampler import sample
+from batchpilot.server.sampler import sample_isolating_faults
 from batchpilot.server.sampling_params import SamplingParams
 from batchpilot.server.scheduler import SchedulerOutput
 from batchpilot.server.sequence import Sequence
@@ -42,6 +42,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int | None]  # None: mid-prefill, nothing sampled
     logprobs: list[PositionLogprobs | None]  # the sampled token's, when asked for
     prompt_logprobs: list[list[PositionLogprobs]]  # for the prompt tokens this step scored
+    faults: dict[int, Exception] = field(default_factory=dict)  # index -> its sampling's error
 
     @classmethod
     def empty(cls, n: int) -> "ModelRunnerOutput":
@@ -189,13 +190,20 @@ class ModelRunner:
         )
         prompt_rows = [row + k for _, scored, row in scoring for k in range(len(scored))]
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        logits = self._forward(as_tensor(input_ids), as_tensor(positions), kv or self.kv_cache,
-                               meta, as_tensor(logits_index + prompt_rows))  # fmt: skip
+
+        def forward() -> torch.Tensor:  # again only if sampling raises: K/V writes repeat
+            return self._forward(as_tensor(input_ids), as_tensor(positions),
+                                 kv or self.kv_cache, meta, as_tensor(logits_index + prompt_rows))  # fmt: skip
+
+        logits = forward()
         out = ModelRunnerOutput.empty(len(scheduled))
-        sampled = sample(logits[: len(samplers)], [scheduled[i][0] for i in samplers],
-                         self.config.logprobs_mode)  # fmt: skip
+        sampled = sample_isolating_faults(logits[: len(samplers)],
+                                          [scheduled[i][0] for i in samplers],
+                                          self.config.logprobs_mode,
+                                          lambda: forward()[: len(samplers)])  # fmt: skip
         for i, token, logprobs in zip(samplers, sampled.token_ids, sampled.logprobs, strict=True):
             out.sampled_token_ids[i], out.logprobs[i] = token, logprobs
+        out.faults = {samplers[row]: error for row, error in sampled.faults.items()}
         if scoring:
             self._score_prompts(logits[len(samplers) :], scheduled, scoring, out)
         return out

@@ -74,8 +74,12 @@ def test_serve_measures_every_request_against_a_live_server(tiny_path, tmp_path)
     assert result["output_lens"] == lens  # ignore_eos made every length exact
     assert result["total_output_tokens"] == sum(lens)
     assert all(n > 0 for n in result["input_lens"])
-    # One gap per token after the first, when the server streams token by token.
-    assert [len(gaps) for gaps in result["itls"]] == [n - 1 for n in lens]
+    # One gap per streamed event after the first. An event carries one token, or several
+    # when the client fell behind the engine and the server coalesced them (as vLLM does),
+    # so a request has at most one gap per token after the first, and none at all when its
+    # whole output was ready before the client read the first event (CI saw that for 3 tokens).
+    assert all(len(gaps) <= n - 1 for gaps, n in zip(result["itls"], lens, strict=True))
+    assert sum(len(gaps) for gaps in result["itls"]) >= 1
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
     for metric in ("ttft", "tpot", "itl", "e2el"):
         for stat in ("mean", "median", "p50", "p90", "p99"):

@@ -8,6 +8,7 @@ fixture (tier `cluster`) for its helm and kubectl binaries and API server.
 
 from __future__ import annotations
 
+import base64
 import filecmp
 import importlib.util
 import json
@@ -171,6 +172,79 @@ def test_deployment_hardening_and_args(k8s):
     assert "--all-namespaces" not in c["args"]
 
 
+def test_operator_pod_meets_the_restricted_pod_security_standard(k8s):
+    """The operator's pod and the test hook's: what `restricted` checks (the install test
+    also runs it in a namespace that enforces it)."""
+    docs = render(k8s)
+    pods = [
+        by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"],
+        by_kind(docs, "Pod")[0]["spec"],
+    ]
+    for pod in pods:
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] == 10001
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for key in ("hostNetwork", "hostPID", "hostIPC"):
+            assert key not in pod
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"]
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_admin_key_secret_and_the_operators_environment(k8s):
+    """The key the admin tokens derive from reaches the operator through its environment
+    (the kubelet reads the Secret): the chart's random one, or an existing Secret."""
+    docs = render(k8s)
+    (secret,) = by_kind(docs, "Secret")
+    assert secret["metadata"]["name"] == "bp-batchpilot-admin-key"
+    assert len(base64.b64decode(secret["data"]["key"])) == 48
+    (c,) = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    ref = {"name": "bp-batchpilot-admin-key", "key": "key"}
+    assert env["BATCHPILOT_ADMIN_KEY"]["valueFrom"] == {"secretKeyRef": ref}
+    assert not any("admin-key" in a or "ADMIN_KEY" in a for a in c["args"])
+    docs = render(k8s, "--set", "operator.adminKey.existingSecret=mine")
+    assert not by_kind(docs, "Secret")
+    (c,) = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["BATCHPILOT_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "mine"
+
+
+def test_network_policy_admits_the_admin_port_from_the_operator_only(k8s):
+    assert not by_kind(render(k8s), "NetworkPolicy")  # off by default
+    docs = render(k8s, "--set", "networkPolicy.enabled=true", "--set", "watchNamespaces={a,b}")
+    policies = by_kind(docs, "NetworkPolicy")
+    assert sorted(p["metadata"]["namespace"] for p in policies) == ["a", "b"]
+    (dep,) = by_kind(docs, "Deployment")
+    operator_labels = dep["spec"]["selector"]["matchLabels"]
+    for policy in policies:
+        spec = policy["spec"]
+        assert spec["podSelector"] == {
+            "matchLabels": {"app.kubernetes.io/name": "batchpilot-server"}
+        }
+        assert spec["policyTypes"] == ["Ingress"]
+        serving, admin = spec["ingress"]
+        assert serving == {"ports": [{"port": "http", "protocol": "TCP"}]}  # from anywhere
+        assert admin["ports"] == [{"port": "admin", "protocol": "TCP"}]
+        assert admin["from"] == [
+            {
+                "namespaceSelector": {
+                    "matchLabels": {"kubernetes.io/metadata.name": "batchpilot-system"}
+                },
+                "podSelector": {"matchLabels": operator_labels},
+            }
+        ]
+    docs = render(
+        k8s, "--set", "networkPolicy.enabled=true", "--set", "networkPolicy.namespaces={c}"
+    )
+    assert [p["metadata"]["namespace"] for p in by_kind(docs, "NetworkPolicy")] == ["c"]
+    out = helm(
+        k8s, "template", "bp", str(CHART), "--set", "networkPolicy.enabled=true", check=False
+    )
+    assert out.returncode != 0 and "networkPolicy.namespaces" in out.stderr, out.stderr
+
+
 def optional_rules(gen, *features: str) -> set[tuple[str, str, str]]:
     doc = gen.document()["optional"]
     return {
@@ -298,6 +372,10 @@ def test_install_rbac_and_uninstall(k8s, namespace):
     other = f"other-{uuid.uuid4().hex[:6]}"
     for ns in (watched, other):
         k8s.run_kubectl("create", "namespace", ns)
+    # The operator's pod must be admitted where the restricted standard is enforced.
+    k8s.run_kubectl(
+        "label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted"
+    )
     release = f"bp-{uuid.uuid4().hex[:6]}"
     try:
         out = helm(
@@ -341,7 +419,10 @@ def test_install_rbac_and_uninstall(k8s, namespace):
         # Denied: anything in a namespace it does not watch, secrets listed, nodes, CRD deletes,
         # and cluster-wide access to the namespaced resources.
         assert not sar(k8s, user, "get", "secrets", "", other)
-        assert not sar(k8s, user, "list", "secrets", "", watched)
+        # Secrets: create only; nothing that reads or changes an existing one.
+        for verb in ("get", "list", "watch", "patch", "update", "delete"):
+            assert not sar(k8s, user, verb, "secrets", "", watched), verb
+        assert sar(k8s, user, "create", "secrets", "", watched)
         assert not sar(k8s, user, "create", "deployments", "apps", other)
         assert not sar(k8s, user, "list", PLURAL, GROUP, "")
         assert not sar(k8s, user, "list", "nodes")

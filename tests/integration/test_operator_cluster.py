@@ -23,17 +23,25 @@ import yaml
 from kopf.testing import KopfRunner
 from kubernetes import client
 
+from batchpilot.operator import resources
 from batchpilot.operator.config import OperatorConfig
 from batchpilot.operator.crd import GROUP, PLURAL, VERSION
 from batchpilot.operator.handlers import Reconciler, make_registry
 from batchpilot.operator.kube import Kube, new_api_client
-from batchpilot.operator.resources import MANAGED_SELECTOR
+from batchpilot.operator.resources import MANAGED_SELECTOR, Owner
 
 pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "example.invalid/batchpilot-server:test"
 INTERVAL = 2.0  # the reconcile interval the tests run the operator with
+ADMIN_KEY = "cluster-test-admin-key-7c41"  # what the chart's Secret gives the operator
+
+
+def config(**kw) -> OperatorConfig:
+    return OperatorConfig(
+        server_image=IMAGE, reconcile_interval=INTERVAL, admin_key=ADMIN_KEY, **kw
+    )
 
 
 def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60, interval: float = 0.2) -> Any:
@@ -133,9 +141,27 @@ class Api:
             "ConfigMap": self.core.list_namespaced_config_map(self.ns, label_selector=sel).items,
         }
 
+    def secret_name(self, name: str) -> str:
+        """The admin token's Secret, as the pods' environment names it."""
+        dep = self.apps.read_namespaced_deployment(name, self.ns)
+        env = {e.name: e for e in dep.spec.template.spec.containers[0].env}
+        return env["BATCHPILOT_ADMIN_TOKEN"].value_from.secret_key_ref.name
+
     def token(self, name: str) -> str:
-        secret = self.core.read_namespaced_secret(f"{name}-admin-token", self.ns)
+        secret = self.core.read_namespaced_secret(self.secret_name(name), self.ns)
         return base64.b64decode(secret.data["token"]).decode()
+
+    def derived_token(self, name: str) -> str:
+        uid = self.get(name)["metadata"]["uid"]
+        return resources.admin_token(ADMIN_KEY.encode(), Owner(name, self.ns, uid))
+
+    def events(self, name: str) -> dict[str, str]:
+        """reason -> message of the Events on the InferenceService."""
+        return {
+            e.reason: e.message
+            for e in self.core.list_namespaced_event(self.ns).items
+            if e.involved_object.kind == "InferenceService" and e.involved_object.name == name
+        }
 
 
 @pytest.fixture
@@ -155,8 +181,8 @@ def kubeconfig_env(k8s, monkeypatch):
 def operator(
     api: Api, reconciler: Reconciler | None = None, cleanup: bool = True
 ) -> Iterator[KopfRunner]:
-    config = OperatorConfig(server_image=IMAGE, reconcile_interval=INTERVAL)
-    registry = make_registry(config, reconciler or Reconciler(config))
+    cfg = config()
+    registry = make_registry(cfg, reconciler or Reconciler(cfg))
     args = ["run", "--standalone", "--verbose", "-n", api.ns]
     with KopfRunner(args, registry=registry, timeout=60) as runner:
         try:
@@ -240,6 +266,20 @@ def owner_uid(obj: Any) -> tuple[str, str, bool, bool]:
             {"replicas": "two"},
             'spec.replicas: Invalid value: "string": spec.replicas in body must be of type integer',
         ),
+        # Hardening (issue 19): managed flags, their `=` forms and abbreviations; volumes
+        # outside the restricted standard's list.
+        ({"engine": {"extraArgs": ["--max-num-seqs=8"]}}, "may not set, or abbreviate"),
+        ({"engine": {"extraArgs": ["--max-num-seq=99999"]}}, "may not set, or abbreviate"),
+        ({"engine": {"extraArgs": ["--seed", "1", "--admin-tok=x"]}}, "spec.engine.extraArgs"),
+        ({"engine": {"extraArgs": ["--admin-port", "9"]}}, "may not set, or abbreviate"),
+        (
+            {"pod": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}},
+            "spec.pod.volumes: Invalid value",
+        ),
+        (
+            {"pod": {"volumes": [{"name": "n", "nfs": {"server": "s", "path": "/"}}]}},
+            "hostPath and other node volumes are refused",
+        ),
     ],
 )
 def test_invalid_specs_are_rejected_by_the_api_server(api, spec, needle):
@@ -249,6 +289,37 @@ def test_invalid_specs_are_rejected_by_the_api_server(api, spec, needle):
     status = json.loads(e.value.body)
     assert status["reason"] == "Invalid"
     assert needle in status["message"], status["message"]
+
+
+def test_pod_security_fields_do_not_exist_in_spec_pod(api, k8s):
+    """Privilege, host namespaces and added capabilities cannot be asked for: spec.pod has
+    no such field, so strict field validation (kubectl's default) refuses them, and
+    otherwise they are pruned before anything reads them."""
+    for pod in (
+        {"securityContext": {"privileged": True}},
+        {"hostNetwork": True},
+        {"hostPID": True, "hostIPC": True},
+        {"containerSecurityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}},
+    ):
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "InferenceService",
+            "metadata": {"name": "priv"},
+            "spec": {"pod": pod},
+        }
+        with pytest.raises(client.ApiException) as e:
+            api.custom.create_namespaced_custom_object(
+                GROUP, VERSION, api.ns, PLURAL, body, field_validation="Strict"
+            )
+        assert e.value.status == 400, e.value.body
+        assert f'unknown field "spec.pod.{next(iter(pod))}"' in json.loads(e.value.body)["message"]
+        manifest = {**body, "metadata": {"name": "priv", "namespace": api.ns}}
+        proc = k8s.run_kubectl("apply", "-f", "-", input=json.dumps(manifest), check=False)
+        assert proc.returncode != 0 and "unknown field" in proc.stderr, proc.stderr
+    # Without strict validation the fields are dropped: nothing stored asks for them.
+    stored = api.create("priv", {"pod": {"hostNetwork": True}})
+    assert "hostNetwork" not in stored["spec"].get("pod", {})
+    api.delete("priv")
 
 
 def test_invalid_name_and_kubectl_message(api, k8s):
@@ -296,13 +367,17 @@ def test_create_children_owners_ready_and_url(api, k8s, kubeconfig_env):
             "Deployment": ["chat"],
             "Service": ["chat"],
             "PodDisruptionBudget": ["chat"],
-            "Secret": ["chat-admin-token"],
+            "Secret": [api.secret_name("chat")],
             "ConfigMap": ["chat-engine"],
         }
         for objs in kids.values():
             assert owner_uid(objs[0]) == ("InferenceService", uid, True, True)
             assert objs[0].metadata.labels["batchpilot.dev/service"] == "chat"
-        assert len(api.token("chat")) >= 32
+        # The token is the one derived from the operator's key, in a Secret whose name does
+        # not give it away.
+        assert api.token("chat") == api.derived_token("chat")
+        assert api.secret_name("chat").startswith("chat-admin-")
+        assert api.token("chat") not in api.secret_name("chat")
         # The GPU pod landed on the fake GPU node and is Ready.
         (pod,) = api.core.list_namespaced_pod(
             api.ns, label_selector="batchpilot.dev/service=chat"
@@ -442,12 +517,17 @@ def test_drift_is_corrected_within_one_interval(api, k8s, kubeconfig_env):
             ),
         )
 
-        # The Secret is not watched: the timer restores it (with a new token; the pods roll).
-        old_token = api.token("chat")
-        api.core.delete_namespaced_secret("chat-admin-token", api.ns)
+        # The Secret is not watched: the timer restores it, with the same (derived) token,
+        # so nothing rolls.
+        old_token, generation = (
+            api.token("chat"),
+            api.apps.read_namespaced_deployment("chat", api.ns).metadata.generation,
+        )
+        api.core.delete_namespaced_secret(api.secret_name("chat"), api.ns)
         took = restored("Secret recreated by the timer", lambda: api.token("chat"))
-        assert took <= limit and api.token("chat") != old_token
-        wait_for("Ready after the token rotation", lambda: api.ready("chat"))
+        assert took <= limit and api.token("chat") == old_token
+        dep = api.apps.read_namespaced_deployment("chat", api.ns)
+        assert dep.metadata.generation == generation
 
         api.apps.delete_namespaced_deployment("chat", api.ns)
         restored(
@@ -466,7 +546,9 @@ def test_drift_is_corrected_within_one_interval(api, k8s, kubeconfig_env):
 def test_operator_only_problems_degrade_without_children(api, kubeconfig_env):
     with operator(api) as runner:
         api.create("weights", {"model": {"source": "pvc://weights/llama"}})
-        api.create("args", {"engine": {"extraArgs": ["--max-num-seqs=8"]}})
+        api.create("args", {"pod": {"env": [{"name": "BATCHPILOT_ADMIN_TOKEN", "value": "x"}]}})
+        api.core.create_namespaced_service_account(api.ns, {"metadata": {"name": "powerful"}})
+        api.create("account", {"pod": {"serviceAccountName": "powerful"}})
         api.create(
             "affinity",
             {
@@ -485,7 +567,8 @@ def test_operator_only_problems_degrade_without_children(api, kubeconfig_env):
         )
         expect = {
             "weights": ("ModelSourceNotFound", "PersistentVolumeClaim 'weights' not found"),
-            "args": ("InvalidSpec", "--max-num-seqs is derived from the spec"),
+            "args": ("InvalidSpec", "BATCHPILOT_ADMIN_TOKEN is set by the operator"),
+            "account": ("ServiceAccountNotAllowed", "batchpilot.dev/inference-server=allowed"),
             "affinity": ("InvalidSpec", "not a valid selector operator"),
         }
         for name, (reason, needle) in expect.items():
@@ -537,31 +620,37 @@ def test_operator_only_problems_degrade_without_children(api, kubeconfig_env):
             api.core.delete_persistent_volume(pv)
         assert api.condition("weights", "Degraded")["status"] == "False"
         vols = api.apps.read_namespaced_deployment("weights", api.ns).spec.template.spec.volumes
-        assert vols[0].persistent_volume_claim.claim_name == "weights"
-        # A fixed spec converges too.
-        api.patch("args", {"engine": {"extraArgs": ["--seed", "7"]}})
+        (model,) = [v for v in vols if v.name == "model"]
+        assert model.persistent_volume_claim.claim_name == "weights"
+        # A fixed spec converges too; so does a ServiceAccount its owner allows.
+        api.patch("args", {"pod": {"env": [{"name": "SEED", "value": "7"}]}})
         wait_for("args Ready", lambda: api.ready("args"))
+        api.core.patch_namespaced_service_account(
+            "powerful",
+            api.ns,
+            {"metadata": {"labels": {"batchpilot.dev/inference-server": "allowed"}}},
+        )
+        wait_for("account Ready", lambda: api.ready("account"))
 
 
 class CrashBeforeDeployment(Kube):
-    """Applies everything up to the Deployment, then 'dies' there (once)."""
+    """Writes everything up to the Deployment, then 'dies' there (once)."""
 
     def __init__(self, reached: threading.Event, release: threading.Event):
         super().__init__(new_api_client())
         self.reached, self.release = reached, release
 
-    def apply(self, obj: dict, *, dry_run: bool = False) -> dict:
+    def create(self, obj: dict, *, dry_run: bool = False) -> dict:
         if obj["kind"] == "Deployment" and not dry_run:
             self.reached.set()
             self.release.wait(60)
-            raise RuntimeError("simulated crash before applying the Deployment")
-        return super().apply(obj, dry_run=dry_run)
+            raise RuntimeError("simulated crash before creating the Deployment")
+        return super().create(obj, dry_run=dry_run)
 
 
 def test_operator_restart_mid_reconcile_converges_without_duplicates(api, kubeconfig_env):
     reached, release = threading.Event(), threading.Event()
-    config = OperatorConfig(server_image=IMAGE, reconcile_interval=INTERVAL)
-    crashing = Reconciler(config, kube=CrashBeforeDeployment(reached, release))
+    crashing = Reconciler(config(), kube=CrashBeforeDeployment(reached, release))
     with operator(api, reconciler=crashing, cleanup=False):
         api.create("chat", {"replicas": 2})
         assert reached.wait(30), "the reconcile never reached the Deployment"
@@ -573,7 +662,8 @@ def test_operator_restart_mid_reconcile_converges_without_duplicates(api, kubeco
             "Secret": 1,
             "ConfigMap": 1,
         }
-        token = api.token("chat")
+        (secret,) = kids["Secret"]
+        token = base64.b64decode(secret.data["token"]).decode()
         threading.Timer(1.0, release.set).start()  # the stuck handler dies as kopf stops
     release.set()
 
@@ -588,7 +678,7 @@ def test_operator_restart_mid_reconcile_converges_without_duplicates(api, kubeco
             "Secret": 1,
             "ConfigMap": 1,
         }
-        assert api.token("chat") == token  # the Secret was adopted, not regenerated
+        assert api.token("chat") == token  # the same key, the same token: nothing rolls
         dep = kids["Deployment"][0]
         assert dep.metadata.generation == 1  # applied once, never re-rolled
         rss = api.apps.list_namespaced_replica_set(api.ns).items
@@ -606,6 +696,7 @@ def _start_cli(k8s, namespace: str, *extra: str, log: Path) -> subprocess.Popen:
         **k8s.env,
         "BATCHPILOT_SERVER_IMAGE": "env/image:1",
         "BATCHPILOT_RECONCILE_INTERVAL": str(INTERVAL),
+        "BATCHPILOT_ADMIN_KEY": ADMIN_KEY,  # one key for both replicas, as the chart gives
         "PYTHONUNBUFFERED": "1",
     }
     argv = [sys.executable, "-m", "batchpilot", "operator", "-n", namespace, *extra]
@@ -774,7 +865,7 @@ def test_operator_runs_with_only_its_rbac_rules(api, k8s, tmp_path, monkeypatch)
                 "Degraded as the ServiceAccount",
                 lambda: api.condition("weights", "Degraded").get("reason") == "ModelSourceNotFound",
             )
-            api.core.delete_namespaced_secret("chat-admin-token", api.ns)
+            api.core.delete_namespaced_secret(api.secret_name("chat"), api.ns)
             wait_for("Secret restored", lambda: api.token("chat"), timeout=INTERVAL + 8)
             wait_for(
                 "an event posted",

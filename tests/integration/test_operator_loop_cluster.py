@@ -5,13 +5,14 @@ ConfigMap new pods read, the InferenceService's status and Events, `kubectl get 
 the operator's own /metrics.
 
 kwok's pods serve nothing and their IPs are fake, so the operator is fed through its URL
-metrics source (OperatorConfig.metrics_urls) from servers outside the cluster: the pods
-stand for them. No traffic goes to a pod IP: every operator here has metrics URLs.
+metrics source (OperatorConfig.metrics_urls, and admin_urls: each server's admin API has its
+own port) from servers outside the cluster: the pods stand for them. No traffic goes to a
+pod IP: every operator here has metrics URLs. Each server runs with the admin token the
+operator derives for its InferenceService, so it starts once that object exists.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import threading
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ import httpx
 import pytest
 from kopf.testing import KopfRunner
 from kubernetes import client
-from test_operator_cluster import Api, wait_for
+from test_operator_cluster import ADMIN_KEY, Api, wait_for
 from test_server_harness import TINY_FLAGS, ServerProcess
 
 from batchpilot import names
@@ -34,7 +35,6 @@ pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "example.invalid/batchpilot-server:test"
-TOKEN = "loop-admin-token-5d1e"
 MODEL = "tiny"
 TIMEOUT = 180  # decisions need a window of observation (20 s) on a shared 2-core machine
 
@@ -56,19 +56,29 @@ def api(k8s, namespace, monkeypatch) -> Api:
     return Api(k8s, namespace)
 
 
-def serve(tiny_path: str, tmp_path: Path, *flags: str) -> ServerProcess:
-    args = ["--model", tiny_path, "--served-model-name", MODEL, *TINY_FLAGS,
-            "--admin-token", TOKEN, *flags]  # fmt: skip
-    return ServerProcess(args, tmp_path / f"serve-{free_port()}.log").start()
+def server(tiny_path: str, tmp_path: Path, *flags: str) -> ServerProcess:
+    """A server, not yet started: its ports are known before its token is."""
+    args = ["--model", tiny_path, "--served-model-name", MODEL, *TINY_FLAGS, *flags]
+    return ServerProcess(args, tmp_path / f"serve-{free_port()}.log")
+
+
+def start(server: ServerProcess, api: Api, name: str) -> ServerProcess:
+    """Start it with the admin token the operator derives for the InferenceService `name`."""
+    server.args += ["--admin-token", api.derived_token(name)]
+    return server.start()
 
 
 @contextlib.contextmanager
-def operator(api: Api, metrics_urls: list[str], liveness: str | None = None) -> Iterator[None]:
+def operator(
+    api: Api, servers: list[ServerProcess], liveness: str | None = None, urls: list[str] = ()
+) -> Iterator[None]:
     config = OperatorConfig(
         server_image=IMAGE,
         reconcile_interval=5,
         loop_interval=2,
-        metrics_urls=metrics_urls,
+        metrics_urls=[s.url for s in servers] or list(urls),
+        admin_urls=[s.admin_url for s in servers],
+        admin_key=ADMIN_KEY,
         liveness=liveness,
     )
     args = ["run", "--standalone", "--verbose", "-n", api.ns]
@@ -91,18 +101,6 @@ def operator(api: Api, metrics_urls: list[str], liveness: str | None = None) -> 
                 timeout=120,
             )
     assert runner.exception is None, runner.output
-
-
-def adopt_token(api: Api, name: str) -> None:
-    """The servers were started with TOKEN: give the operator a Secret holding it, which it
-    adopts (it only generates a token where it finds none)."""
-    api.core.create_namespaced_secret(
-        api.ns,
-        {
-            "metadata": {"name": f"{name}-admin-token"},
-            "data": {"token": base64.b64encode(TOKEN.encode()).decode()},
-        },
-    )
 
 
 @contextlib.contextmanager
@@ -130,6 +128,15 @@ def load(server: ServerProcess, workers: int, max_tokens: int) -> Iterator[None]
             t.join(150)
 
 
+def history(api: Api, name: str) -> list[dict]:
+    return ((api.get(name).get("status") or {}).get("tuning") or {}).get("history") or []
+
+
+def verdict(api: Api, name: str) -> dict | None:
+    """The first kept or reverted change in status.tuning.history."""
+    return next((h for h in history(api, name) if h["action"] in ("keep", "revert")), None)
+
+
 def events(api: Api, name: str) -> dict[str, str]:
     """reason -> message of the Events on the InferenceService."""
     return {
@@ -153,7 +160,7 @@ def test_raise_and_scale_up_reach_the_servers_the_deployment_and_status(
     raises max_num_seqs live on the server and in the ConfigMap without rolling the pods,
     and the autoscaler adds replicas to the Deployment; Events, status, the printer column
     and the operator's own metrics all show it."""
-    server = serve(tiny_path, tmp_path, "--max-num-seqs", "2")
+    srv = server(tiny_path, tmp_path, "--max-num-seqs", "2")
     liveness = f"http://127.0.0.1:{free_port()}/healthz"
     spec = {
         "engine": {"maxNumSeqs": 2},
@@ -163,29 +170,31 @@ def test_raise_and_scale_up_reach_the_servers_the_deployment_and_status(
                         "targetQueueLength": 1, "scaleUpStabilizationSeconds": 1},
     }  # fmt: skip
     try:
-        with operator(api, [server.url], liveness):
-            adopt_token(api, "chat")
+        with operator(api, [srv], liveness):
             api.create("chat", spec)
+            start(srv, api, "chat")
             wait_for("Ready", lambda: api.ready("chat"), timeout=TIMEOUT)
             assert replica_sets(api, "chat") == [1]
-            with load(server, workers=8, max_tokens=48):
-                tuning = wait_for(
-                    "a raise of max_num_seqs in status",
-                    lambda: (
-                        (t := api.get("chat").get("status", {}).get("tuning"))
-                        and t.get("maxNumSeqs", 2) > 2
-                        and t
-                    ),
+            with load(srv, workers=8, max_tokens=48):
+                tried = wait_for(
+                    "a raise of max_num_seqs on trial",
+                    lambda: next((h for h in history(api, "chat") if h["kind"] == "raise"), None),
                     timeout=TIMEOUT,
                 )
-                raised = tuning["maxNumSeqs"]
+                raised = tried["maxNumSeqs"]
+                assert raised > 2 and tried["action"] == "try", tried  # one replica: no canary
                 wait_for(
                     "the raised value live on the server",
-                    lambda: server.metric(names.MAX_NUM_SEQS_METRIC) == raised,
-                    timeout=30,
+                    lambda: srv.metric(names.MAX_NUM_SEQS_METRIC) == raised or verdict(api, "chat"),
+                    timeout=60,
                 )
+                judged = wait_for(
+                    "the verdict on the raise", lambda: verdict(api, "chat"), timeout=TIMEOUT
+                )
+                assert "goodput" in judged["reason"] or "attainment" in judged["reason"], judged
+                assert judged["before"] and judged["after"], judged
                 dep = wait_for(
-                    "a scale-up in the Deployment",
+                    "a scale-up in the Deployment once the trial is over",
                     lambda: (
                         (d := api.apps.read_namespaced_deployment("chat", api.ns))
                         and d.spec.replicas > 1
@@ -193,10 +202,18 @@ def test_raise_and_scale_up_reach_the_servers_the_deployment_and_status(
                     ),
                     timeout=TIMEOUT,
                 )
+            # Whatever the verdict, the server runs what status says is in force.
+            kept = api.get("chat")["status"]["tuning"]["maxNumSeqs"]
+            assert kept == (raised if judged["action"] == "keep" else 2), judged
+            wait_for(
+                "the settings in force live on the server",
+                lambda: srv.metric(names.MAX_NUM_SEQS_METRIC) == kept,
+                timeout=60,
+            )
             autoscaling = api.get("chat")["status"]["autoscaling"]
             assert dep.spec.replicas == autoscaling["desiredReplicas"] <= 3
             config_map = api.core.read_namespaced_config_map("chat-engine", api.ns)
-            assert int(config_map.data["max_num_seqs"]) >= raised
+            assert int(config_map.data["max_num_seqs"]) == kept
             # A tuned max_num_seqs never rolls the pods: one ReplicaSet, scaled.
             wait_for("the scaled pods Ready", lambda: api.ready("chat"), timeout=TIMEOUT)
             assert len(replica_sets(api, "chat")) == 1
@@ -206,34 +223,32 @@ def test_raise_and_scale_up_reach_the_servers_the_deployment_and_status(
             assert row.split()[3] == str(st["engine"]["maxNumSeqs"])
             reasons = wait_for(
                 "Events for both decisions",
-                lambda: (
-                    (r := events(api, "chat")) and {"MaxNumSeqsRaised", "ScaledUp"} <= set(r) and r
-                ),
+                lambda: (r := events(api, "chat")) and {"TuningTrial", "ScaledUp"} <= set(r) and r,
             )
             assert reasons["ScaledUp"].startswith("replicas 1 -> "), reasons
             metrics = httpx.get(liveness.replace("/healthz", "/metrics"), timeout=5).text
-            assert 'batchpilot_operator_decisions_total{kind="raise"}' in metrics
+            assert 'batchpilot_operator_decisions_total{kind="raise",name="chat"' in metrics
             assert 'batchpilot_operator_desired_replicas{name="chat"' in metrics
     finally:
-        server.stop()
+        srv.stop()
 
 
 def test_thrash_switches_to_fp8_and_rolls_the_deployment(api, tiny_path, tmp_path):
     """A server whose max_num_seqs (64) is far more than its KV cache (1 MiB) holds swaps
     and preempts: with allowFP8KVCache the tuner switches the KV cache to fp8, which changes
     the pod template and rolls the Deployment with maxUnavailable 0."""
-    server = serve(tiny_path, tmp_path, "--max-num-seqs", "64", "--kv-cache-memory", "1MiB")
+    srv = server(tiny_path, tmp_path, "--max-num-seqs", "64", "--kv-cache-memory", "1MiB")
     spec = {
         "engine": {"maxNumSeqs": 64},
         "tuning": {"enabled": True, "maxNumSeqs": {"min": 8, "max": 64}, "cooldownSeconds": 0,
                    "allowFP8KVCache": True, "targetInterTokenLatencySeconds": 60},
     }  # fmt: skip
     try:
-        with operator(api, [server.url]):
-            adopt_token(api, "thrash")
+        with operator(api, [srv]):
             api.create("thrash", spec)
+            start(srv, api, "thrash")
             wait_for("Ready", lambda: api.ready("thrash"), timeout=TIMEOUT)
-            with load(server, workers=24, max_tokens=300):
+            with load(srv, workers=24, max_tokens=300):
                 wait_for(
                     "the fp8 decision in status",
                     lambda: (
@@ -252,6 +267,9 @@ def test_thrash_switches_to_fp8_and_rolls_the_deployment(api, tiny_path, tmp_pat
                 timeout=TIMEOUT,
             )
             assert any(h["kind"] == "fp8" for h in st["tuning"]["history"]), st["tuning"]
+            # The local server cannot restart with fp8, so the trial waits for a replica
+            # that runs it, and nothing is judged on replicas that do not.
+            assert st["tuning"]["experiment"]["kind"] == "fp8", st["tuning"]
             dep = api.apps.read_namespaced_deployment("thrash", api.ns)
             args = dep.spec.template.spec.containers[0].args
             assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
@@ -259,9 +277,9 @@ def test_thrash_switches_to_fp8_and_rolls_the_deployment(api, tiny_path, tmp_pat
             wait_for(
                 "the old ReplicaSet scaled to 0", lambda: replica_sets(api, "thrash") == [0, 1]
             )
-            assert "KVCacheFP8" in events(api, "thrash")
+            assert "fp8" in events(api, "thrash")["TuningTrial"]
     finally:
-        server.stop()
+        srv.stop()
 
 
 def test_hpa_mode_emits_an_hpa_the_api_server_accepts(api, k8s):
@@ -273,7 +291,7 @@ def test_hpa_mode_emits_an_hpa_the_api_server_accepts(api, k8s):
                    "targetQueueLength": 2.5, "scaleDownStabilizationSeconds": 120}  # fmt: skip
     hpas = client.AutoscalingV2Api(k8s.api)
     unreachable = f"http://127.0.0.1:{free_port()}"  # nothing listens: scrapes fail fast
-    with operator(api, [unreachable]):
+    with operator(api, [], urls=[unreachable]):
         api.create("chat", {"autoscaling": autoscaling, "replicas": 2})
         st = wait_for("Ready", lambda: api.ready("chat"), timeout=TIMEOUT)
         assert st["readyReplicas"] == 2

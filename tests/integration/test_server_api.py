@@ -161,11 +161,18 @@ def test_32_concurrent_streams_complete_with_offline_greedy_text(server, offline
     assert mean_batch > 4, f"mean batch size {mean_batch:.1f}: requests were not batched"
 
 
-def test_api_key_guards_v1_only(server):
+def test_api_key_guards_every_route_but_probes_and_metrics(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         r = httpx.get(f"{server.url}/v1/models", headers=headers)
         assert r.status_code == 401
         assert r.json()["error"]["code"] == 401 and r.json()["error"]["message"]
+    for method, path in (("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"),
+                         ("GET", "/openapi.json"), ("GET", "/docs")):  # fmt: skip
+        r = httpx.request(method, f"{server.url}{path}", json={"prompt": "hi", "tokens": [1]})
+        assert r.status_code == 401, path
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": "hi"}, headers=key).json()["count"]
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(f"{server.url}/health").status_code == 200
@@ -276,7 +283,12 @@ def test_oversized_chunked_body_gets_413(server):
 
 
 def test_admin_api_auth_and_live_max_num_seqs(server):
-    url = f"{server.url}/admin/config"
+    # Only on its own port: the public one (the Service's) has no /admin at all.
+    public = f"{server.url}/admin/config"
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    assert_openai_error(httpx.get(public, headers=key), 404)
+    assert_openai_error(httpx.get(public, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}), 401)
+    url = f"{server.admin_url}/admin/config"
     assert_openai_error(httpx.get(url), 401)
     assert_openai_error(httpx.get(url, headers={"Authorization": "Bearer nope"}), 401)
     assert_openai_error(httpx.get(url, headers={"Authorization": f"Bearer {API_KEY}"}), 401)
@@ -285,6 +297,10 @@ def test_admin_api_auth_and_live_max_num_seqs(server):
     assert config["max_num_seqs"] == 64 and config["max_model_len"] == MAX_MODEL_LEN
     assert_openai_error(httpx.patch(url, json={"max_num_seqs": 0}, headers=admin), 400)
     assert_openai_error(httpx.patch(url, json={"max_num_seqs": "8"}, headers=admin), 400)
+    # More sequences than the step budget it started with (512 tokens) cannot run at once.
+    error = assert_openai_error(httpx.patch(url, json={"max_num_seqs": 513}, headers=admin), 400)
+    assert "at most" in error["message"]
+    assert httpx.get(url, headers=admin).json()["max_num_seqs"] == 64
     error = assert_openai_error(httpx.patch(url, json={"block_size": 8}, headers=admin), 400)
     assert "max_num_seqs" in error["message"]
     assert_openai_error(httpx.patch(url, json={"max_num_seqs": 8}), 401)
@@ -302,6 +318,52 @@ def test_admin_api_auth_and_live_max_num_seqs(server):
     assert sorted(r[1:] for r in results) == [("length", 120)] * 4
     patched = httpx.patch(url, json={"max_num_seqs": 64}, headers=admin)
     assert server.metric(names.MAX_NUM_SEQS_METRIC, model_name=MODEL) == 64
+
+
+def step_count(server, le: str | None = None) -> float:
+    """Engine steps so far (with le: those of at most le tokens), from the histogram."""
+    if le is None:
+        return server.metric(f"{names.ITERATION_TOKENS}_count", model_name=MODEL)
+    return server.metric(f"{names.ITERATION_TOKENS}_bucket", model_name=MODEL, le=le)
+
+
+def test_admin_api_live_step_budget(server):
+    url = f"{server.admin_url}/admin/config"
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    budget = names.MAX_NUM_BATCHED_TOKENS.name
+
+    def in_force() -> tuple:
+        config = httpx.get(url, headers=admin).json()
+        gauge = server.metric(names.MAX_NUM_BATCHED_TOKENS_METRIC, model_name=MODEL)
+        return config["max_num_seqs"], config[budget], gauge
+
+    # Started on a CPU with 512-token steps (the default there) and 64 sequences.
+    assert in_force() == (64, 512, 512)
+    for body, needle in [
+        ({budget: 513}, "512-token step"),
+        ({budget: 63}, "max_num_seqs 64"),
+        ({"max_num_seqs": 32, budget: 31}, "max_num_seqs 32"),
+        ({budget: "64"}, "integer"),
+        ({budget: 64.0}, "integer"),
+        ({budget: True}, "integer"),
+    ]:
+        error = assert_openai_error(httpx.patch(url, json=body, headers=admin), 400)
+        assert needle in error["message"], error
+    assert in_force() == (64, 512, 512)
+
+    try:
+        patched = httpx.patch(url, json={"max_num_seqs": 8, budget: 16}, headers=admin)
+        assert patched.status_code == 200 and patched.json()[budget] == 16, patched.text
+        assert in_force() == (8, 16, 16)
+        # The next steps keep to it: an 80-token prompt's prefill takes five or more.
+        steps, small = step_count(server), step_count(server, le="16.0")
+        prompt = [1000 + 7 * i for i in range(80)]
+        server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+        assert step_count(server) - steps >= 5
+        assert step_count(server, le="16.0") - small == step_count(server) - steps
+    finally:
+        httpx.patch(url, json={"max_num_seqs": 64, budget: 512}, headers=admin)
+    assert in_force() == (64, 512, 512)
 
 
 def test_metrics_expose_every_name_with_model_label(server):

@@ -23,7 +23,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(tmp_path_factory):
     server = ServerProcess(args, tmp_path_factory.mktemp("drain") / "serve.log", api_key=API_KEY)
     server.start()
     try:
-        httpx.get(f"{server.url}/admin/config", headers={"Authorization": "Bearer wrong-guess"})
+        httpx.get(f"{server.admin_url}/admin/config", headers={"Authorization": "Bearer wrong"})
         results, failures = [], []
 
         def request(stream: bool, i: int):

@@ -35,11 +35,17 @@ class ServerProcess:
     log_path: Path
     api_key: str | None = None
     port: int = field(default_factory=free_port)
+    admin_port: int = field(default_factory=free_port)
     process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        """Where /admin/* answers (with --admin-token): its own port, never the public one."""
+        return f"http://127.0.0.1:{self.admin_port}"
 
     def start(self) -> ServerProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -47,7 +53,8 @@ class ServerProcess:
         env.pop("BATCHPILOT_ADMIN_TOKEN", None)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 -- lives as long as the server
         self.process = subprocess.Popen(
-            [BATCHPILOT, "serve", "--host", "127.0.0.1", "--port", str(self.port), *self.args],
+            [BATCHPILOT, "serve", "--host", "127.0.0.1", "--port", str(self.port),
+             "--admin-port", str(self.admin_port), *self.args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
         )  # fmt: skip
         deadline = time.monotonic() + READY_TIMEOUT

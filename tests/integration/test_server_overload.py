@@ -17,7 +17,10 @@ def server(tmp_path_factory):
 
     tiny = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
     args = ["--model", tiny, "--served-model-name", "tiny", *TINY_FLAGS,
-            "--max-num-seqs", "1", "--max-queue-len", "1"]  # fmt: skip
+            "--max-num-seqs", "1", "--max-queue-len", "1",
+            # Long enough that the running request cannot finish (and let the queued one
+            # in) while the test checks the queue, however loaded the machine.
+            "--max-model-len", "2048"]  # fmt: skip
     proc = ServerProcess(args, tmp_path_factory.mktemp("overload") / "serve.log").start()
     yield proc
     proc.stop()
@@ -28,7 +31,7 @@ def long_request(server, results: list) -> threading.Thread:
         out = server.client().completions.create(
             model="tiny",
             prompt="go on",
-            max_tokens=300,
+            max_tokens=1500,
             temperature=0,
             extra_body={"ignore_eos": True},
         )
@@ -55,8 +58,8 @@ def test_full_queue_answers_429_with_retry_after_and_loses_nothing(server):
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
 
-    running.join(120)
-    queued.join(120)
+    running.join(600)
+    queued.join(600)
     assert results == ["length", "length"]
     # With the queue drained, the same request is served.
     out = server.client().completions.create(model="tiny", prompt="me too", max_tokens=2)
@@ -69,4 +72,6 @@ def test_admin_api_is_absent_without_a_token(server):
                           headers={"Authorization": "Bearer anything"})  # fmt: skip
         assert r.status_code == 404
         assert r.json()["error"]["code"] == 404
+    with pytest.raises(httpx.ConnectError):  # no admin listener at all
+        httpx.get(f"{server.admin_url}/admin/config")
     assert server.metric(names.MAX_NUM_SEQS_METRIC) == 1

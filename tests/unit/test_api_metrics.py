@@ -19,7 +19,8 @@ STATS = EngineStats(
     kv_cache_usage=0.25, num_cpu_blocks=10, num_free_cpu_blocks=5, cpu_cache_usage=0.5,
     num_preemptions=4, num_swaps_out=5, num_swaps_in=6, num_steps=10, prompt_tokens_total=70,
     generation_tokens_total=80, last_step_num_tokens=9, last_step_batch_size=3,
-    max_num_seqs=32, kv_cache_dtype="fp8", block_size=16, max_concurrency=1.5,
+    max_num_seqs=32, max_num_batched_tokens=512, kv_cache_dtype="fp8", block_size=16,
+    max_concurrency=1.5,
 )  # fmt: skip
 
 
@@ -52,10 +53,13 @@ def test_gauges_and_counters_read_stats_at_scrape_time():
     assert value(found, names.GENERATION_TOKENS) == 80
     assert value(found, names.SWAPS_OUT) == 5 and value(found, names.SWAPS_IN) == 6
     assert value(found, names.MAX_NUM_SEQS_METRIC) == 32
+    assert value(found, names.MAX_NUM_BATCHED_TOKENS_METRIC) == 512
     info = dict(dtype="fp8", block_size="16", num_blocks="100")
     assert value(found, names.KV_CACHE_INFO, **info) == 1
-    stats.max_num_seqs = 8
-    assert value(samples(metrics), names.MAX_NUM_SEQS_METRIC) == 8
+    stats.max_num_seqs, stats.max_num_batched_tokens = 8, 256
+    found = samples(metrics)
+    assert value(found, names.MAX_NUM_SEQS_METRIC) == 8
+    assert value(found, names.MAX_NUM_BATCHED_TOKENS_METRIC) == 256
 
 
 def test_every_listed_name_is_exposed():

@@ -6,6 +6,10 @@ from pydantic import ValidationError
 from batchpilot.server.api.errors import APIError
 from batchpilot.server.api.protocol import (
     INT64_MAX,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_N,
+    MAX_SEQS_PER_REQUEST,
+    MAX_STOP_STRING_CHARS,
     ChatCompletionRequest,
     CompletionRequest,
     sampling_params,
@@ -125,3 +129,61 @@ def test_vllm_sampling_knobs_and_logprobs_reach_sampling_params():
         ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=2)
     with pytest.raises(APIError):
         sampling_params(CompletionRequest(prompt="hi", min_tokens=9), 8, 0)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": float("nan")},
+        {"top_p": float("nan")},
+        {"repetition_penalty": float("inf")},
+        {"presence_penalty": float("-inf")},
+        {"min_p": float("nan")},
+        {"logit_bias": {"1": float("inf")}},
+        {"logit_bias": {str(i): 1.0 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)}},
+        {"stop": "x" * (MAX_STOP_STRING_CHARS + 1)},
+        {"stop": ["ok", "y" * (MAX_STOP_STRING_CHARS + 1)]},
+        {"top_k": INT64_MAX + 1},
+        {"stop_token_ids": [INT64_MAX + 1]},
+        {"prompt": ["a"] * MAX_SEQS_PER_REQUEST, "n": 2},
+        {"prompt": [[1]] * (MAX_SEQS_PER_REQUEST + 1)},
+        {"prompt": [1] + [[1]] * MAX_SEQS_PER_REQUEST},  # a batch disguised as token ids
+    ],
+)
+def test_non_finite_floats_and_oversized_fields_are_rejected(fields):
+    with pytest.raises(ValidationError):
+        CompletionRequest(**{"prompt": "hi", **fields})
+
+
+def test_the_bounds_themselves_are_accepted():
+    body = CompletionRequest(prompt=["a"] * MAX_SEQS_PER_REQUEST, stop=["x" * MAX_STOP_STRING_CHARS],
+                             logit_bias={str(i): 1.0 for i in range(MAX_LOGIT_BIAS_ENTRIES)})  # fmt: skip
+    assert len(body.prompts()) == MAX_SEQS_PER_REQUEST
+    # A long token-id prompt is one prompt, not a batch: max_model_len bounds it.
+    assert CompletionRequest(prompt=[1] * (MAX_SEQS_PER_REQUEST + 1)).prompts() == [
+        [1] * (MAX_SEQS_PER_REQUEST + 1)
+    ]
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], n=MAX_N)
+    assert chat.n == MAX_N
+
+
+def test_a_huge_prompt_batch_is_refused_before_its_items_are_validated():
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest(prompt=[[1]] * 500_000, n=MAX_N)
+    assert info.value.error_count() == 1  # not one per item and union member
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": float("inf")},
+        {"repetition_penalty": float("inf")},
+        {"top_p": float("nan")},
+        {"logit_bias": {1: float("nan")}},
+    ],
+)
+def test_sampling_params_refuse_non_finite_floats(fields):
+    from batchpilot.server.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match="finite"):
+        SamplingParams(**fields)

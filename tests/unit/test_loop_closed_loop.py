@@ -1,5 +1,6 @@
 """loop.ClosedLoop.run_once: the status contract with the kopf side, statelessness across
-operator restarts, live application to every replica, and repair of stray replicas."""
+operator restarts, a canary trial and its rollout, repair of stray replicas, refused
+applies, and a blind loop deciding nothing."""
 
 from __future__ import annotations
 
@@ -10,22 +11,24 @@ from batchpilot.operator.crd import parse_spec
 from batchpilot.operator.loop import ClosedLoop
 from batchpilot.operator.observe import Scrape
 from batchpilot.operator.resources import LoopState
-from batchpilot.operator.sim import EngineModel, ReplicaConfig, ReplicaSim, Request
-from batchpilot.operator.tune import EngineSettings
+from batchpilot.operator.tune import TuneLimits
+from batchpilot.operator.tuner_state import EngineSettings
+from benchmarks.loopsim import EngineModel, ReplicaConfig, ReplicaSim, Request
 
 SPEC = parse_spec(
     {
         "engine": {"maxNumSeqs": 4},
         "autoscaling": {"enabled": True, "maxReplicas": 4},
-        "tuning": {"enabled": True, "maxNumSeqs": {"min": 2, "max": 64}, "cooldownSeconds": 120,
-                   "targetInterTokenLatencySeconds": 1.0},
+        "tuning": {"enabled": True, "maxNumSeqs": {"min": 2, "max": 64}, "cooldownSeconds": 120},
+        "slo": {"timeToFirstTokenSeconds": 600, "interTokenLatencySeconds": 1.0},
     }
 )  # fmt: skip
 
 
 class Replicas:
     """Simulated replicas behind the two interfaces the loop talks to: a metrics source
-    and the admin client's set_max_num_seqs (which records what it was asked)."""
+    and the admin client's set_live (which records what it was asked; a URL in
+    ``refusing`` answers 400)."""
 
     def __init__(self, count: int, max_num_seqs: int = 4):
         config = ReplicaConfig(max_num_seqs=max_num_seqs)
@@ -35,6 +38,7 @@ class Replicas:
         }
         self.down: set[str] = set()
         self.patches: list[tuple[str, int]] = []
+        self.refusing: set[str] = set()
 
     def load(self, requests: int, now: float) -> None:
         for engine in self.engines.values():
@@ -45,18 +49,39 @@ class Replicas:
         for engine in self.engines.values():
             engine.advance_to(t)
 
+    def top_up(self, in_system: int, now: float) -> None:
+        """Clients that keep ``in_system`` requests on each replica (a steady queue)."""
+        for engine in self.engines.values():
+            for _ in range(in_system - len(engine.running) - len(engine.waiting)):
+                engine.submit(Request(now, 64, 512))
+
     async def scrape(self, namespace: str, name: str) -> list[Scrape]:
+        # Each replica's admin API listens on its own port, apart from /metrics.
         return [
-            Scrape(url, error="refused") if url in self.down else Scrape(url, text=e.metrics_text())
+            Scrape(url, error="refused", admin_url=f"{url}:8001")
+            if url in self.down
+            else Scrape(url, text=e.metrics_text(), admin_url=f"{url}:8001")
             for url, e in self.engines.items()
         ]
 
-    async def set_max_num_seqs(self, urls, token: str, value: int) -> dict[str, str | None]:
-        assert token == "secret"
-        for url in urls:
+    async def set_live(self, urls, token: str, changes: dict) -> dict[str, str | None]:
+        assert token == "secret" and set(changes) == {names.MAX_NUM_SEQS.name}
+        value = changes[names.MAX_NUM_SEQS.name]
+        answers = {}
+        for admin_url in urls:
+            url = admin_url.removesuffix(":8001")
+            assert admin_url == f"{url}:8001", "the admin API is called on its own port"
             self.patches.append((url, value))
+            if url in self.refusing:
+                answers[admin_url] = "HTTP 400: max_num_seqs is more than this replica can hold"
+                continue
             self.engines[url].max_num_seqs = value
-        return dict.fromkeys(urls)
+            answers[admin_url] = None
+        return answers
+
+
+# Short trials: a canary is judged on 30 s and 100 ITL observations.
+LIMITS = TuneLimits(min_window_seconds=30, min_latency_samples=100)
 
 
 def run(loop: ClosedLoop, replicas: Replicas, status: dict, now: float, settings=None):
@@ -69,48 +94,66 @@ def run(loop: ClosedLoop, replicas: Replicas, status: dict, now: float, settings
     return outcome
 
 
-def test_a_raise_is_applied_live_to_every_replica_and_written_where_the_builders_read_it():
-    replicas = Replicas(2)
-    replicas.load(40, 0.0)
+def until(loop, replicas, status, clock, action: str, start=0.0, end=900.0, in_system=12):
+    """Turns every 15 s, under a steady queue, until a tuning decision with ``action``."""
+    t = start
+    while t <= end:
+        clock[0] = t
+        replicas.top_up(in_system, t)
+        outcome = run(loop, replicas, status, t)
+        if outcome.tuning.action == action:
+            return outcome
+        t += 15
+    raise AssertionError(f"no {action} by {end} s: {status.get('tuning')}")
+
+
+def test_a_raise_runs_on_a_canary_first_and_reaches_every_replica_once_kept():
+    replicas = Replicas(2)  # 8 waiting per replica (until's clients): short of an emergency
     clock = [0.0]
-    loop = ClosedLoop(replicas, replicas, clock=lambda: clock[0])
+    loop = ClosedLoop(replicas, replicas, clock=lambda: clock[0], limits=LIMITS)
     status: dict = {}
-    raised = None
-    for t in range(0, 121, 15):
-        clock[0] = float(t)
-        outcome = run(loop, replicas, status, clock[0])
-        if outcome.tuning.kind == "raise":
-            raised = outcome
-            break
-    assert raised is not None, status.get("tuning")
-    assert sorted(replicas.patches) == [("http://r0", 8), ("http://r1", 8)]
-    assert ("MaxNumSeqsRaised", raised.tuning.reason) in raised.events
+    tried = until(loop, replicas, status, clock, "canary")
+    # Only the canary runs the raise; every replica keeps the settings in force.
+    assert replicas.patches == [("http://r0", 8)]
+    assert ("TuningTrial", tried.tuning.reason) in tried.events
     tuning = status["tuning"]
-    assert tuning[names.MAX_NUM_SEQS.crd_field] == 8
-    assert tuning["lastDecision"] == "raise" and tuning["inputs"]["runningPerReplica"] == 4
+    assert (
+        tuning[names.MAX_NUM_SEQS.crd_field] == 4
+        and LoopState.from_status(status).max_num_seqs == 4
+    )
+    assert (
+        tuning["experiment"]["canary"] == "http://r0"
+        and tuning["experiment"]["to"]["maxNumSeqs"] == 8
+    )
+    assert tuning["inputs"]["runningPerReplica"] == 4
+    assert status["autoscaling"]["desiredReplicas"] == 2
+    kept = until(loop, replicas, status, clock, "rollout", start=clock[0] + 15)
+    assert ("http://r1", 8) in replicas.patches
+    assert ("TuningKept", kept.tuning.reason) in kept.events
+    after, before = kept.tuning.after, kept.tuning.before
+    assert after.goodput > before.goodput  # eight slots against four under a queue
     assert LoopState.from_status(status).max_num_seqs == 8
-    assert status["metrics"]["queueLength"] > 0
-    assert status["autoscaling"]["desiredReplicas"] >= 2
+    assert status["tuning"]["experiment"] is None
+    assert status["tuning"]["verdicts"][-1]["kept"] is True
 
 
-def test_a_restarted_operator_keeps_the_cooldown_and_history_from_status():
-    replicas = Replicas(1)
-    replicas.load(40, 0.0)
+def test_a_restarted_operator_goes_on_judging_the_trial_it_finds_in_status():
+    replicas = Replicas(2)
     clock = [0.0]
-    loop = ClosedLoop(replicas, replicas, clock=lambda: clock[0])
+    loop = ClosedLoop(replicas, replicas, clock=lambda: clock[0], limits=LIMITS)
     status: dict = {}
-    for t in range(0, 121, 15):
-        clock[0] = float(t)
-        if run(loop, replicas, status, clock[0]).tuning.kind == "raise":
-            break
-    raised_at = clock[0]
+    until(loop, replicas, status, clock, "canary")
+    started = clock[0]
     # A new operator process: fresh loop, no samples, only the status.
-    restarted = ClosedLoop(replicas, replicas, clock=lambda: clock[0])
-    for t in range(15, 120, 15):
-        clock[0] = raised_at + t
-        outcome = run(restarted, replicas, status, clock[0])
-        assert outcome.tuning.kind == "hold" and "cooldown" in outcome.tuning.reason
-    assert [h["kind"] for h in status["tuning"]["history"]] == ["raise"]
+    restarted = ClosedLoop(replicas, replicas, clock=lambda: clock[0], limits=LIMITS)
+    kept = until(restarted, replicas, status, clock, "rollout", start=started + 15)
+    assert kept.tuning.kind == "raise"
+    assert [h["action"] for h in status["tuning"]["history"]] == ["canary", "rollout"]
+    # Then the cooldown holds, also across a restart.
+    again = ClosedLoop(replicas, replicas, clock=lambda: clock[0], limits=LIMITS)
+    clock[0] += 15
+    outcome = run(again, replicas, status, clock[0])
+    assert outcome.tuning.action == "hold" and "cooldown" in outcome.tuning.reason
 
 
 def test_a_stray_replica_is_repaired_and_an_unreachable_one_is_skipped_and_counted():
@@ -118,22 +161,57 @@ def test_a_stray_replica_is_repaired_and_an_unreachable_one_is_skipped_and_count
     replicas.engines["http://r2"].max_num_seqs = 4  # started from an old template
     replicas.down.add("http://r1")
     loop = ClosedLoop(replicas, replicas, clock=lambda: 0.0)
-    status = {"tuning": {names.MAX_NUM_SEQS.crd_field: 8}}
+    status = {"tuning": {names.MAX_NUM_SEQS.crd_field: 8, names.KV_CACHE_DTYPE.crd_field: "auto"}}
     outcome = run(loop, replicas, status, 0.0, EngineSettings(8))
     assert replicas.patches == [("http://r2", 8)]
     assert outcome.scraped == 2 and set(outcome.scrape_failures) == {"http://r1"}
     assert status["metrics"]["scrapeFailures"] == 1
+    assert status["tuning"]["notApplied"] == []
+
+
+def test_a_refused_apply_is_counted_and_not_recorded_as_applied():
+    replicas = Replicas(2, max_num_seqs=4)
+    replicas.refusing.add("http://r1")
+    loop = ClosedLoop(replicas, replicas, clock=lambda: 0.0)
+    status = {"tuning": {names.MAX_NUM_SEQS.crd_field: 8, names.KV_CACHE_DTYPE.crd_field: "auto"}}
+    outcome = run(loop, replicas, status, 0.0, EngineSettings(8))
+    assert set(outcome.apply_failures) == {"http://r1"}
+    assert status["tuning"]["notApplied"] == [
+        {"replica": "http://r1", "reason": outcome.apply_failures["http://r1"]}
+    ]
+    assert replicas.engines["http://r1"].max_num_seqs == 4
+    assert any(r == "AdminApplyFailed" and "1 of 2" in m for r, m in outcome.events)
+
+
+def test_a_blind_loop_decides_nothing_and_says_so_until_it_sees_again():
+    replicas = Replicas(4)
+    replicas.load(40, 0.0)
+    replicas.down.update({"http://r1", "http://r2", "http://r3"})
+    loop = ClosedLoop(replicas, replicas, clock=lambda: 0.0, limits=LIMITS)
+    status: dict = {}
+    blind = run(loop, replicas, status, 0.0)
+    assert blind.blind and "1 of 4 Ready replicas answered" in blind.blind
+    assert status["metrics"]["loopBlind"] == blind.blind
+    assert [r for r, _ in blind.events] == ["LoopBlind"]
+    assert blind.desired_replicas == 4 and blind.tuning.action == "hold"
+    assert replicas.patches == []
+    still = run(loop, replicas, status, 15.0)
+    assert still.events == []  # one Event per episode
+    replicas.down.clear()
+    seen = run(loop, replicas, status, 30.0)
+    assert seen.blind is None and status["metrics"]["loopBlind"] is None
+    assert ("LoopSighted", "enough replicas answer again: deciding") in seen.events
 
 
 def test_hand_edited_history_is_ignored_and_history_stays_bounded():
     replicas = Replicas(1)
-    junk = [{"time": "yesterday", "kind": "raise"}]
+    junk = [{"time": "yesterday", "action": "keep"}]
     old = [
-        {"time": f"2026-01-01T00:00:{i:02d}.000Z", "kind": "raise", "maxNumSeqs": 4,
-         "previousMaxNumSeqs": 4, "kvCacheDtype": "auto", "reason": ""}
+        {"time": f"2026-01-01T00:00:{i:02d}.000Z", "action": "keep", "kind": "raise",
+         "maxNumSeqs": 4, "kvCacheDtype": "auto", "reason": ""}
         for i in range(30)
     ]  # fmt: skip
-    status = {"tuning": {"history": junk + old}}
+    status = {"tuning": {"history": junk + old, "maxNumSeqs": 4, "kvCacheDtype": "auto"}}
     loop = ClosedLoop(replicas, replicas, clock=lambda: 2e9)
     run(loop, replicas, status, 0.0)
     assert len(status["tuning"]["history"]) == 20

@@ -11,7 +11,6 @@ import pytest
 from aiohttp import web
 
 from batchpilot import names
-from batchpilot.operator import sim
 from batchpilot.operator.observe import (
     MalformedMetrics,
     Observer,
@@ -24,6 +23,7 @@ from batchpilot.operator.observe import (
     ready_pod_urls,
 )
 from batchpilot.server.api import metrics as server_metrics
+from benchmarks.loopsim import metrics as sim
 
 STATS = {
     "num_running": 3,
@@ -40,6 +40,7 @@ STATS = {
     "kv_cache_dtype": "fp8",
     "block_size": 16,
     "num_kv_blocks": 100,
+    "max_num_batched_tokens": 512,
 }
 
 

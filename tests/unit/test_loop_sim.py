@@ -1,5 +1,6 @@
-"""The laws in simulation: the real ClosedLoop (observe → decide_replicas / decide_tuning →
-apply) every 15 s against operator/sim.py's replicas, for hours of simulated time."""
+"""The laws in simulation: the real ClosedLoop (observe → tuner → arbiter → autoscaler →
+apply) every 15 s against benchmarks/loopsim's replicas, for hours of simulated time.
+Tuning is judged by what the replicas ran and served, not by the loop's Event reasons."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import itertools
 import pytest
 
 from batchpilot.operator.crd import parse_spec
-from batchpilot.operator.sim import (
+from benchmarks.loopsim import (
     ReplicaConfig,
     ServiceSim,
     SimResult,
@@ -28,16 +29,12 @@ def spec(engine=None, autoscaling=None, tuning=None):
     )
 
 
-def tuning_changes(result: SimResult):
-    return [e for e in result.events if e[1].startswith(("MaxNumSeqs", "KVCache"))]
-
-
 def assert_safe(result: SimResult, s) -> None:
-    """Never out of bounds, never two tuning changes within the cooldown."""
+    """Never out of bounds, never two changes tried within the cooldown."""
     lo, hi = s.tuning.max_num_seqs.min, s.tuning.max_num_seqs.max
     for point in result.trace:
         assert lo <= point.max_num_seqs <= hi, point
-    times = [t for t, _, _ in tuning_changes(result)]
+    times = [t for t, _, _ in result.trials()]
     for a, b in itertools.pairwise(times):
         assert b - a >= s.tuning.cooldown_seconds
 
@@ -104,6 +101,8 @@ def test_diurnal_and_bursty_loads_never_flap():
 # --------------------------------------------------------------------------- tuning
 
 
+# A queue already past the TTFT target: every request misses it before and after the
+# raise (goodput 0 -> 0), so the verdict rests on throughput, which drains the queue.
 def test_from_four_slots_the_tuner_raises_until_the_queue_drains():
     s = spec(
         engine={"maxNumSeqs": 4},
@@ -112,32 +111,27 @@ def test_from_four_slots_the_tuner_raises_until_the_queue_drains():
     )  # fmt: skip
     # 1.2 requests/s of ~120 output tokens: one replica serves it with 32 slots, not with 4.
     result = ServiceSim(s, ReplicaConfig()).run(steady(1.2), duration=1.0 * HOUR)
-    changes = tuning_changes(result)
-    assert changes and all(reason == "MaxNumSeqsRaised" for _, reason, _ in changes)
-    assert len(changes) <= 4
-    final = result.trace[-1].max_num_seqs
-    late = [p for p in result.trace if p.time > changes[-1][0] + 600]
-    drained = max(p.waiting for p in late) <= 4
-    assert drained or final == 32
+    late = [p for p in result.trace if p.time > HOUR - 600]
+    assert late[-1].max_num_seqs > 4
+    assert max(p.waiting for p in late) <= 4 or late[-1].max_num_seqs == 32
     assert_safe(result, s)
 
 
 @pytest.mark.parametrize("allow_fp8", [False, True], ids=["lower", "fp8"])
-def test_an_oversized_max_num_seqs_that_thrashes_is_stopped(allow_fp8):
-    s = spec(
-        engine={"maxNumSeqs": 64},
-        tuning={"enabled": True, "allowFP8KVCache": allow_fp8,
-                "maxNumSeqs": {"min": 2, "max": 128}, "targetInterTokenLatencySeconds": 0.5},
-    )  # fmt: skip
-    # 240 blocks: ten sequences at their longest (128 + 256 tokens), not 64.
+def test_an_oversized_max_num_seqs_that_thrashes_is_judged_on_goodput(allow_fp8):
+    """240 blocks hold ten sequences at their longest (128 + 256 tokens), not 64: the
+    replica thrashes. Swapping is cheap here, so fewer slots would serve less: whatever the
+    loop tries, it must not end below what the thrashing setting serves left alone."""
+    tuning = {"allowFP8KVCache": allow_fp8, "maxNumSeqs": {"min": 2, "max": 128},
+              "targetInterTokenLatencySeconds": 0.5}  # fmt: skip
     config = ReplicaConfig(kv_cache_bytes=240 * BLOCK)
-    result = ServiceSim(s, config).run(steady(1.0), duration=1.0 * HOUR)
-    changes = tuning_changes(result)
-    assert changes, "no decision against the thrash"
-    first = changes[0]
-    assert first[1] == ("KVCacheFP8" if allow_fp8 else "MaxNumSeqsLowered")
-    assert preemptions_between(result, 0, first[0]) >= 10  # it did thrash
-    settled = changes[-1][0] + 300
-    assert preemptions_between(result, settled, HOUR) <= 3  # and stopped
-    assert result.trace[-1].kv_cache_dtype == ("fp8" if allow_fp8 else "auto")
-    assert_safe(result, s)
+    left_alone = ServiceSim(spec({"maxNumSeqs": 64}, tuning=tuning), config)
+    tuned = ServiceSim(spec({"maxNumSeqs": 64}, tuning={"enabled": True, **tuning}), config)
+    fixed = left_alone.run(steady(1.0), duration=1.0 * HOUR)
+    result = tuned.run(steady(1.0), duration=1.0 * HOUR)
+    assert preemptions_between(fixed, 0, HOUR) >= 100  # it does thrash
+    assert result.trials(), "the loop tried nothing against the thrash"
+    assert result.goodput() >= 0.95 * fixed.goodput()
+    if allow_fp8:  # an fp8 trial rolls the replicas onto the fp8 template
+        assert any(p.kv_cache_dtype == "fp8" for p in result.trace)
+    assert_safe(result, s=tuned.spec)

@@ -101,6 +101,46 @@ def test_loop_flags_and_environment(monkeypatch):
     assert cfg.metrics_urls == ["http://h:9", "http://h:10"] and cfg.loop_interval == 2
 
 
+def test_admin_urls_pair_with_metrics_urls():
+    """Each replica's admin API has its own port: given per metrics URL, or that URL's host
+    on the admin port (8001)."""
+    import pytest
+    from pydantic import ValidationError
+
+    from batchpilot.cli import build_parser
+    from batchpilot.operator.cli import config_from_args
+    from batchpilot.operator.observe import UrlMetricsSource, on_port
+
+    args = build_parser(["operator"]).parse_args(
+        ["operator", "-A", "--metrics-urls", "http://h:9,http://h:10",
+         "--admin-urls", "http://h:19,http://h:20"]
+    )  # fmt: skip
+    cfg = config_from_args(args)
+    assert UrlMetricsSource(cfg.metrics_urls, cfg.admin_urls).urls == {
+        "http://h:9": "http://h:19",
+        "http://h:10": "http://h:20",
+    }
+    assert UrlMetricsSource(["http://h:9", "http://[fd00::1]:8000"]).urls == {
+        "http://h:9": "http://h:8001",
+        "http://[fd00::1]:8000": "http://[fd00::1]:8001",
+    }
+    assert on_port("http://10.0.0.1:8000", 8001) == "http://10.0.0.1:8001"
+    with pytest.raises(ValidationError, match="one URL per metrics URL"):
+        OperatorConfig(metrics_urls=["http://a:1", "http://b:1"], admin_urls=["http://a:2"])
+
+
+def test_admin_key_comes_from_the_environment_only(monkeypatch):
+    from batchpilot.cli import build_parser
+
+    monkeypatch.setenv("BATCHPILOT_ADMIN_KEY", "k3y")
+    assert OperatorConfig.from_env().admin_key.get_secret_value() == "k3y"
+    assert "k3y" not in repr(OperatorConfig.from_env())
+    help_text = build_parser(["operator"]).format_help() + str(
+        build_parser(["operator"])._subparsers._group_actions[0].choices["operator"].format_help()
+    )
+    assert "--admin-key" not in help_text
+
+
 def test_liveness_port_serves_the_operators_metrics():
     import asyncio
 
@@ -110,7 +150,7 @@ def test_liveness_port_serves_the_operators_metrics():
     from batchpilot.server.bench.server_process import free_port
 
     port = free_port()
-    probes.DECISIONS.labels("raise").inc()
+    probes.DECISIONS.labels("team-a", "chat", "raise", "keep").inc()
     probes.DESIRED_REPLICAS.labels("team-a", "chat").set(3)
 
     async def fetch() -> tuple[int, int, str]:
@@ -126,6 +166,9 @@ def test_liveness_port_serves_the_operators_metrics():
 
     health, status, text = asyncio.run(fetch())
     assert (health, status) == (200, 200)
-    assert 'batchpilot_operator_decisions_total{kind="raise"}' in text
+    assert (
+        'batchpilot_operator_decisions_total{kind="raise",name="chat",namespace="team-a",outcome="keep"}'
+        in text
+    )
     assert 'batchpilot_operator_desired_replicas{name="chat",namespace="team-a"} 3.0' in text
     assert "batchpilot_operator_scrape_failures_total" in text.replace("# HELP ", "")

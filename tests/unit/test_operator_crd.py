@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchpilot import names
-from batchpilot.operator import crd
+from batchpilot.operator import crd, flags
 from batchpilot.operator.crd import InferenceServiceSpec, SpecError, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,6 +168,33 @@ def test_defaults_expand_like_the_api_server():
             },
             "maxNumBatchedTokens must be >= maxModelLen",
         ),
+        (
+            {"tuning": {"maxNumBatchedTokens": {"min": 4096, "max": 2048}}},
+            "tuning.maxNumBatchedTokens.min must be <=",
+        ),
+        ({"tuning": {"maxNumBatchedTokens": {"max": 2048}}}, "maxNumBatchedTokens.min"),
+        ({"tuning": {"maxNumBatchedTokens": {"min": 0, "max": 8}}}, "maxNumBatchedTokens.min"),
+        (
+            {"tuning": {"maxNumBatchedTokens": {"min": 1, "max": (1 << 20) + 1}}},
+            "maxNumBatchedTokens.max",
+        ),
+        (
+            {
+                "tuning": {"maxNumBatchedTokens": {"min": 256, "max": 2048}},
+                "engine": {"maxNumBatchedTokens": 4096},
+            },
+            "engine.maxNumBatchedTokens must lie within",
+        ),
+        (
+            {
+                "tuning": {"maxNumBatchedTokens": {"min": 1024, "max": 8192}},
+                "engine": {"enableChunkedPrefill": False, "maxModelLen": 2048},
+            },
+            "tuning.maxNumBatchedTokens.min must be >= engine.maxModelLen",
+        ),
+        ({"slo": {"timeToFirstTokenSeconds": 0}}, "spec.slo.timeToFirstTokenSeconds"),
+        ({"slo": {"timeToFirstTokenSeconds": 601}}, "spec.slo.timeToFirstTokenSeconds"),
+        ({"slo": {"interTokenLatencySeconds": 61}}, "spec.slo.interTokenLatencySeconds"),
         ({"model": {"source": "s3://bucket/model"}}, "spec.model.source"),
         ({"resources": {"limits": {"cpu": []}}}, "spec.resources.limits"),
         ({"replicas": -1}, "spec.replicas"),
@@ -178,6 +205,44 @@ def test_python_validation_rejects(spec, needle):
     with pytest.raises(SpecError) as e:
         parse_spec(spec)
     assert needle in str(e.value)
+
+
+def test_step_budget_range_is_optional_and_bounds_the_engine():
+    assert parse_spec({}).tuning.max_num_batched_tokens is None
+    assert "maxNumBatchedTokens" not in parse_spec({}).to_api()["tuning"]
+    spec = parse_spec(
+        {
+            "tuning": {"maxNumBatchedTokens": {"min": 2048, "max": 8192}},
+            "engine": {
+                "maxNumBatchedTokens": 4096,
+                "enableChunkedPrefill": False,
+                "maxModelLen": 2048,
+            },
+        }
+    )
+    r = spec.tuning.max_num_batched_tokens
+    assert (r.min, r.max) == (2048, 8192)
+    assert spec.to_api()["tuning"]["maxNumBatchedTokens"] == {"min": 2048, "max": 8192}
+    root = crd.crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    tuning = root["properties"]["spec"]["properties"]["tuning"]
+    assert tuning["properties"]["maxNumBatchedTokens"]["required"] == ["min", "max"]
+    assert "maxNumBatchedTokens" not in tuning["default"]
+
+
+def test_slo_targets_and_the_older_itl_field():
+    spec = parse_spec({})
+    assert spec.to_api()["slo"] == {"timeToFirstTokenSeconds": 2.0}
+    assert (spec.ttft_target_seconds, spec.itl_target_seconds) == (2.0, 0.1)
+    # tuning.targetInterTokenLatencySeconds still counts, unless spec.slo sets its own.
+    spec = parse_spec({"tuning": {"targetInterTokenLatencySeconds": 0.25}})
+    assert spec.itl_target_seconds == 0.25
+    spec = parse_spec(
+        {
+            "slo": {"timeToFirstTokenSeconds": 0.5, "interTokenLatencySeconds": 0.05},
+            "tuning": {"targetInterTokenLatencySeconds": 0.25},
+        }
+    )
+    assert (spec.ttft_target_seconds, spec.itl_target_seconds) == (0.5, 0.05)
 
 
 def test_name_rule():
@@ -215,3 +280,111 @@ _specs = st.fixed_dictionaries(
 def test_valid_specs_round_trip(spec):
     parsed = parse_spec(spec)
     assert parse_spec(parsed.to_api()) == parsed
+
+
+# --------------------------------------------------------------------------- hardening rules
+
+
+@pytest.mark.parametrize(
+    "arg",
+    [
+        "--max-num-seqs",
+        "--max-num-seqs=9",
+        "--max-num-seq=99999",  # an abbreviation
+        "--max-num",  # a prefix of two managed flags
+        "--admin-tok=x",
+        "--admin-token",
+        "--admin-port=9",
+        "--port=1",
+        "--no-enable-prefix-caching",
+        "--",  # would end the options: every managed flag starts with it
+    ],
+)
+def test_extra_args_may_not_set_or_abbreviate_managed_flags(arg):
+    assert flags.overrides_managed(arg)
+    with pytest.raises(crd.SpecError, match="may not set, or abbreviate"):
+        crd.parse_spec({"engine": {"extraArgs": ["--seed", "1", arg]}})
+
+
+@pytest.mark.parametrize("arg", ["--seed", "3", "--kv-cache-memory", "2GiB", "--api-key=k", "-x"])
+def test_extra_args_of_other_flags_and_values_pass(arg):
+    assert not flags.overrides_managed(arg)
+    crd.parse_spec({"engine": {"extraArgs": [arg]}})
+
+
+def test_no_other_server_flag_is_a_prefix_of_a_managed_one():
+    """Refusing prefixes never refuses a real flag of `batchpilot serve`; and every managed
+    flag is one of its flags."""
+    import argparse
+
+    from batchpilot.server.api.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    server_flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    assert set(flags.MANAGED_FLAGS) <= server_flags
+    for flag in server_flags - set(flags.MANAGED_FLAGS):
+        assert not flags.overrides_managed(flag), flag
+
+
+@pytest.mark.parametrize("arg", ["--max-num-seq=99999", "--admin-tok=stolen", "--max-num-seq"])
+def test_the_servers_parser_refuses_abbreviations(arg, capsys):
+    """`batchpilot serve` parses with allow_abbrev=False: an abbreviation is an error (exit
+    2), never the managed flag it abbreviates."""
+    from batchpilot.cli import build_parser
+
+    argv = ["serve", "--max-num-seqs", "8", arg]
+    with pytest.raises(SystemExit) as e:
+        build_parser(argv).parse_args(argv)
+    assert e.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+    ok = build_parser(["serve"]).parse_args(["serve", "--max-num-seqs", "8"])
+    assert ok.max_num_seqs == 8
+
+
+def test_every_parser_refuses_abbreviations():
+    """The top-level parser and each subcommand's."""
+    from batchpilot.cli import SUBCOMMANDS, build_parser
+
+    for name in SUBCOMMANDS:
+        parser = build_parser([name])
+        assert parser.allow_abbrev is False
+        sub = next(a for a in parser._actions if a.dest == "command")
+        assert sub.choices[name].allow_abbrev is False, name
+
+
+@pytest.mark.parametrize(
+    "volume",
+    [
+        {"name": "h", "hostPath": {"path": "/"}},
+        {"name": "n", "nfs": {"server": "x", "path": "/"}},
+        {"name": "g", "gitRepo": {"repository": "x"}},
+        {"name": "two", "configMap": {"name": "c"}, "secret": {"secretName": "s"}},
+        {"name": "none"},  # what a pruned hostPath volume leaves
+    ],
+)
+def test_pod_volumes_outside_the_restricted_list_are_refused(volume):
+    with pytest.raises(crd.SpecError, match="exactly one source, of configMap, csi"):
+        crd.parse_spec({"pod": {"volumes": [volume]}})
+
+
+def test_pod_volumes_of_the_restricted_list_pass():
+    volumes = [
+        {"name": "c", "configMap": {"name": "c"}},
+        {"name": "e", "emptyDir": {}},
+        {"name": "p", "persistentVolumeClaim": {"claimName": "p"}},
+        {"name": "s", "secret": {"secretName": "s"}},
+    ]
+    assert crd.parse_spec({"pod": {"volumes": volumes}}).pod.volumes == volumes
+
+
+def test_pod_spec_has_no_security_fields():
+    """Privilege, host namespaces and capabilities are not expressible: the operator sets
+    the security context, and spec.pod has no such field (the schema prunes, parse refuses)."""
+    pod = crd.crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][
+        "spec"
+    ]["properties"]["pod"]
+    for field in ("securityContext", "hostNetwork", "hostPID", "hostIPC", "privileged"):
+        assert field not in pod["properties"]
+        with pytest.raises(crd.SpecError):
+            crd.parse_spec({"pod": {field: True}})

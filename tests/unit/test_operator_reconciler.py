@@ -4,8 +4,8 @@ tests/integration/test_operator_cluster.py."""
 
 from __future__ import annotations
 
-import base64
 import copy
+import itertools
 import json
 
 import pytest
@@ -16,6 +16,13 @@ from batchpilot.operator.handlers import Reconciler
 from batchpilot.operator.kube import ApiException
 
 NS = "team-a"
+KEY = "operator-key-3f9a"
+
+
+def conflict(message: str) -> ApiException:
+    e = ApiException(status=409, reason="Conflict")
+    e.body = json.dumps({"message": message})
+    return e
 
 
 class FakeKube:
@@ -25,9 +32,11 @@ class FakeKube:
         self.objects: dict[tuple[str, str, str], dict] = {}
         self.calls: list[tuple] = []
         self.pvcs: set[str] = set()
-        self.service_accounts: set[str] = {"default"}
-        self.reject: dict[str, ApiException] = {}  # kind -> error on (dry-run) apply
+        self.service_accounts: set[str] = {"default", "plain"}
+        self.allowed_accounts: set[str] = {"default"}
+        self.reject: dict[str, ApiException] = {}  # kind -> error on (dry-run) writes
         self.unserved: set[str] = {"ScaledObject"}  # kinds the API server does not serve (KEDA)
+        self._versions = itertools.count(100)
 
     def add_isvc(self, name: str, spec: dict, generation: int = 1) -> dict:
         body = {
@@ -44,36 +53,66 @@ class FakeKube:
         self.objects[("InferenceService", NS, name)] = body
         return body
 
-    def apply(self, obj: dict, *, dry_run: bool = False) -> dict:
-        self.calls.append(("apply", obj["kind"], obj["metadata"]["name"], dry_run))
+    def put(self, obj: dict) -> dict:
+        """Store an object as the API server would: a uid and a new resourceVersion."""
+        new = copy.deepcopy(obj)
+        meta = new["metadata"]
+        meta.setdefault("namespace", NS)
+        meta.setdefault("uid", f"uid-{obj['kind']}-{meta['name']}-{next(self._versions)}")
+        meta["resourceVersion"] = str(next(self._versions))
+        self.objects[(obj["kind"], meta["namespace"], meta["name"])] = new
+        return copy.deepcopy(new)
+
+    def _write(self, verb: str, obj: dict, dry_run: bool) -> dict:
+        self.calls.append((verb, obj["kind"], obj["metadata"]["name"], dry_run))
         if obj["kind"] in self.reject:
             raise self.reject[obj["kind"]]
         key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
         old = self.objects.get(key)
         new = copy.deepcopy(obj)
-        if old is not None and "managedFields" in old["metadata"]:  # others' entries stay
-            new["metadata"]["managedFields"] = old["metadata"]["managedFields"]
+        if old is not None:
+            new["metadata"]["uid"] = old["metadata"]["uid"]
+            if "managedFields" in old["metadata"]:  # others' entries stay
+                new["metadata"]["managedFields"] = old["metadata"]["managedFields"]
         gen = (old or {}).get("metadata", {}).get("generation", 0)
         changed = old is None or old.get("spec") != obj.get("spec")
         new["metadata"]["generation"] = gen + 1 if changed else gen
-        if not dry_run:
-            self.objects[key] = new
-        return copy.deepcopy(new)
+        return copy.deepcopy(new) if dry_run else self.put(new)
+
+    def create(self, obj: dict, *, dry_run: bool = False) -> dict:
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        if key in self.objects:
+            self.calls.append(("create", obj["kind"], obj["metadata"]["name"], dry_run))
+            raise conflict("already exists")
+        return self._write("create", obj, dry_run)
+
+    def apply(self, obj: dict, *, dry_run: bool = False) -> dict:
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        live = self.objects.get(key)
+        pinned = obj["metadata"].get("resourceVersion")
+        assert pinned, "an apply is always pinned to the version that was checked"
+        if live is None or live["metadata"]["resourceVersion"] != pinned:
+            self.calls.append(("apply", obj["kind"], obj["metadata"]["name"], dry_run))
+            raise conflict("the object has been modified")
+        return self._write("apply", obj, dry_run)
 
     def replace(self, obj: dict) -> dict:
         self.calls.append(("replace", obj["kind"], obj["metadata"]["name"]))
-        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
-        self.objects[key] = copy.deepcopy(obj)
-        return copy.deepcopy(obj)
+        return self.put(obj)
 
     def serves(self, api_version, kind):
         return kind not in self.unserved
 
-    def delete(self, api_version, kind, namespace, name):
-        if not self.serves(api_version, kind):
-            return False
+    def delete(self, api_version, kind, namespace, name, preconditions):
+        assert self.serves(api_version, kind)
         self.calls.append(("delete", kind, name))
-        return self.objects.pop((kind, namespace, name), None) is not None
+        live = self.objects.get((kind, namespace, name))
+        if live is None:
+            return False
+        if {k: live["metadata"][k] for k in preconditions} != preconditions:
+            raise conflict("precondition failed")
+        del self.objects[(kind, namespace, name)]
+        return True
 
     def read(self, api_version, kind, namespace, name):
         self.calls.append(("read", kind, name))
@@ -90,8 +129,13 @@ class FakeKube:
     def pvc_exists(self, namespace, name):
         return name in self.pvcs
 
-    def service_account_exists(self, namespace, name):
-        return name in self.service_accounts
+    def read_service_account(self, namespace, name):
+        labels = {r.LABEL_SA_ALLOWED: "allowed"} if name in self.allowed_accounts else {}
+        return (
+            {"metadata": {"name": name, "labels": labels}}
+            if name in self.service_accounts
+            else None
+        )
 
     def children(self) -> list[tuple[str, str]]:
         return sorted((k, n) for (k, _, n) in self.objects if k != "InferenceService")
@@ -111,7 +155,12 @@ def kube():
 
 @pytest.fixture
 def rec(kube):
-    return Reconciler(OperatorConfig(server_image="default/img:1"), kube=kube)
+    return Reconciler(OperatorConfig(server_image="default/img:1", admin_key=KEY), kube=kube)
+
+
+def secret_name(name: str = "chat") -> str:
+    token = r.admin_token(KEY.encode(), r.Owner(name=name, namespace=NS, uid=f"uid-{name}"))
+    return r.secret_name(name, token)
 
 
 def test_builds_all_children_and_writes_status(kube, rec):
@@ -121,23 +170,24 @@ def test_builds_all_children_and_writes_status(kube, rec):
         ("ConfigMap", "chat-engine"),
         ("Deployment", "chat"),
         ("PodDisruptionBudget", "chat"),
-        ("Secret", "chat-admin-token"),
+        ("Secret", secret_name()),
         ("Service", "chat"),
     ]
-    applies = [c[1:] for c in kube.calls if c[0] == "apply"]
-    # Validated first (dry run), then the Deployment after the Secret and ConfigMap it reads.
-    assert applies == [
+    writes = [c[1:] for c in kube.calls if c[0] in ("apply", "create")]
+    # Nothing of those names existed: each is created, never applied over. Validated first
+    # (dry run), then the Deployment after the Secret and ConfigMap it reads.
+    assert writes == [
         ("Deployment", "chat", True),
-        ("Secret", "chat-admin-token", False),
+        ("Secret", secret_name(), False),
         ("ConfigMap", "chat-engine", False),
         ("Service", "chat", False),
         ("PodDisruptionBudget", "chat", False),
         ("Deployment", "chat", False),
     ]
-    # No autoscaler asked for: a left-over HPA would go (KEDA's kind is not served here).
-    assert [c for c in kube.calls if c[0] == "delete"] == [
-        ("delete", "HorizontalPodAutoscaler", "chat")
-    ]
+    assert {c[0] for c in kube.calls if c[0] in ("apply", "create")} == {"create"}
+    # No autoscaler asked for and none left over: nothing deleted (KEDA's kind is not served).
+    assert [c for c in kube.calls if c[0] == "delete"] == []
+    assert ("read", "HorizontalPodAutoscaler", "chat") in kube.calls
     dep = kube.objects[("Deployment", NS, "chat")]
     assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "default/img:1"
     st = kube.status("chat")
@@ -149,24 +199,37 @@ def test_builds_all_children_and_writes_status(kube, rec):
 def test_reconcile_is_idempotent_and_keeps_the_token(kube, rec):
     body = kube.add_isvc("chat", {})
     rec.reconcile(body)
-    token = kube.objects[("Secret", NS, "chat-admin-token")]["data"]["token"]
-    dep = copy.deepcopy(kube.objects[("Deployment", NS, "chat")])
+    secret = copy.deepcopy(kube.objects[("Secret", NS, secret_name())])
+    dep = kube.objects[("Deployment", NS, "chat")]["metadata"]["generation"]
     kube.calls.clear()
     rec.reconcile(body)
-    assert kube.objects[("Secret", NS, "chat-admin-token")]["data"]["token"] == token
-    assert kube.objects[("Deployment", NS, "chat")] == dep  # same generation: no rollout
+    assert kube.objects[("Secret", NS, secret_name())] == secret  # never rewritten
+    assert kube.objects[("Deployment", NS, "chat")]["metadata"]["generation"] == dep
+    # The second round applies over what it checked to be its own.
+    writes = {c[:2] for c in kube.calls if c[0] in ("apply", "create") and not c[3]}
+    assert ("apply", "Deployment") in writes and ("create", "Secret") in writes
     assert ("status", "chat") not in kube.calls  # nothing changed, nothing written
 
 
-def test_deleted_secret_gets_a_new_token_and_the_pods_roll(kube, rec):
+def test_token_is_derived_never_read(kube, rec):
     rec.reconcile(kube.add_isvc("chat", {}))
-    old = kube.objects.pop(("Secret", NS, "chat-admin-token"))
+    assert not [c for c in kube.calls if c[0] == "read" and c[1] == "Secret"]
+    owner = r.Owner(name="chat", namespace=NS, uid="uid-chat")
+    assert rec.admin_token(owner) == r.admin_token(KEY.encode(), owner)
+    # Another operator with the same key derives the same token; another key, another.
+    again = Reconciler(OperatorConfig(admin_key=KEY), kube=kube)
+    other = Reconciler(OperatorConfig(admin_key="another-key"), kube=kube)
+    assert again.admin_token(owner) == rec.admin_token(owner) != other.admin_token(owner)
+
+
+def test_deleted_secret_is_recreated_with_the_same_token_and_nothing_rolls(kube, rec):
+    rec.reconcile(kube.add_isvc("chat", {}))
+    old = kube.objects.pop(("Secret", NS, secret_name()))
     gen = kube.objects[("Deployment", NS, "chat")]["metadata"]["generation"]
     rec.reconcile_by_name(NS, "chat")
-    new = kube.objects[("Secret", NS, "chat-admin-token")]
-    assert new["data"]["token"] != old["data"]["token"]
-    assert base64.b64decode(new["data"]["token"])
-    assert kube.objects[("Deployment", NS, "chat")]["metadata"]["generation"] == gen + 1
+    new = kube.objects[("Secret", NS, secret_name())]
+    assert new["data"] == old["data"] and new["immutable"] is True
+    assert kube.objects[("Deployment", NS, "chat")]["metadata"]["generation"] == gen
 
 
 @pytest.mark.parametrize(
@@ -176,6 +239,7 @@ def test_deleted_secret_gets_a_new_token_and_the_pods_roll(kube, rec):
         ({"engine": {"extraArgs": ["--max-num-seqs", "8"]}}, "InvalidSpec", "--max-num-seqs"),
         ({"model": {"source": "pvc://weights/m"}}, "ModelSourceNotFound", "'weights'"),
         ({"pod": {"serviceAccountName": "ghost"}}, "ServiceAccountNotFound", "'ghost'"),
+        ({"pod": {"serviceAccountName": "plain"}}, "ServiceAccountNotAllowed", "'plain'"),
     ],
 )
 def test_bad_specs_build_nothing_and_degrade(kube, rec, spec, reason, needle):
@@ -293,7 +357,10 @@ def test_loop_decisions_in_status_reach_the_deployment(kube, rec):
     gen = kube.objects[("Deployment", NS, "chat")]["metadata"]["generation"]
     # A tuned max_num_seqs reaches the ConfigMap new pods read, and the recorded settings,
     # without a rollout.
-    kube.objects[("InferenceService", NS, "chat")]["status"]["tuning"] = {"maxNumSeqs": 100}
+    kube.objects[("InferenceService", NS, "chat")]["status"]["tuning"] = {
+        "maxNumSeqs": 100,
+        "kvCacheDtype": "auto",
+    }
     rec.reconcile_by_name(NS, "chat")
     dep = kube.objects[("Deployment", NS, "chat")]
     assert dep["metadata"]["generation"] == gen
@@ -312,8 +379,8 @@ def test_hpa_mode_emits_an_hpa_and_spec_replicas_rule(kube, rec):
     body = kube.add_isvc("chat", {"autoscaling": autoscaling, "replicas": 3})
     body["status"] = {"autoscaling": {"desiredReplicas": 5}}  # ignored: the HPA decides
     rec.reconcile(body)
-    applies = [c[1] for c in kube.calls if c[0] == "apply" and not c[3]]
-    assert applies[-2:] == ["Deployment", "HorizontalPodAutoscaler"]
+    writes = [c[1] for c in kube.calls if c[0] in ("apply", "create") and not c[3]]
+    assert writes[-2:] == ["Deployment", "HorizontalPodAutoscaler"]
     assert kube.objects[("Deployment", NS, "chat")]["spec"]["replicas"] == 3
     hpa = kube.objects[("HorizontalPodAutoscaler", NS, "chat")]
     assert hpa["spec"]["scaleTargetRef"]["kind"] == "InferenceService"
@@ -364,7 +431,7 @@ def test_deleted_objects_are_forgotten(kube, rec):
     svc = kube.objects[("Service", NS, "chat")]
     del kube.objects[("InferenceService", NS, "chat")]
     rec.on_child_event("DELETED", svc)  # the garbage collector's deletions arrive
-    assert all(k[2] != "chat" and k[2] != "chat-admin-token" for k in rec._desired)
+    assert all(not k[2].startswith("chat") for k in rec._desired)
     assert list(rec._applied_generation) == [(NS, "other")]
 
 
@@ -392,7 +459,10 @@ class QueuedSource:
         from batchpilot.operator.observe import Scrape
 
         text = metrics_text(waiting=20, running=8, max_num_seqs=8)
-        return [Scrape(f"http://10.0.0.{i}:8000", text=text) for i in (1, 2)]
+        return [
+            Scrape(f"http://10.0.0.{i}:8000", text=text, admin_url=f"http://10.0.0.{i}:8001")
+            for i in (1, 2)
+        ]
 
 
 def test_loop_timer_scales_through_status_and_the_reconcile(kube, rec):
@@ -437,3 +507,146 @@ def test_loop_timer_leaves_replicas_to_an_hpa(kube, rec):
         asyncio.run(timer.tick(kube.read_isvc(NS, "chat")))
     assert "autoscaling" not in kube.status("chat")
     assert kube.objects[("Deployment", NS, "chat")]["spec"]["replicas"] == 2
+
+
+# --------------------------------------------------------------------------- ownership
+
+
+def foreign(kind: str, name: str, api_version: str = "v1", **extra) -> dict:
+    """An object someone else made, with the name a child of `chat` would have."""
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": {"name": name, "namespace": NS, "labels": {"team": "web"}, **extra},
+        "spec": {"marker": "theirs"},
+    }
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        foreign("Deployment", "chat", "apps/v1"),
+        foreign("Service", "chat"),
+        foreign("ConfigMap", "chat-engine"),
+        foreign("PodDisruptionBudget", "chat", "policy/v1"),
+        # Controlled by another InferenceService of that name (an earlier one: another uid).
+        foreign(
+            "Service",
+            "chat",
+            ownerReferences=[
+                {
+                    "apiVersion": "batchpilot.dev/v1alpha1",
+                    "kind": "InferenceService",
+                    "name": "chat",
+                    "uid": "uid-of-an-earlier-chat",
+                    "controller": True,
+                }
+            ],
+        ),
+    ],
+    ids=["deployment", "service", "configmap", "pdb", "earlier-owner"],
+)
+def test_a_name_taken_by_someone_else_is_left_untouched_and_degrades(kube, rec, obj):
+    live = kube.put(obj)
+    rec.reconcile(kube.add_isvc("chat", {}))
+    key = (obj["kind"], NS, obj["metadata"]["name"])
+    assert kube.objects[key] == live  # not a field changed, same resourceVersion
+    assert kube.children() == [(obj["kind"], obj["metadata"]["name"])]  # nothing else built
+    assert not [c for c in kube.calls if c[0] in ("apply", "create", "replace", "delete")]
+    st = kube.status("chat")
+    assert conds(st)["Degraded"] == ("True", "NameConflict")
+    message = st["conditions"][2]["message"]
+    assert f"{obj['kind']} {obj['metadata']['name']!r} exists" in message
+    assert "left untouched" in message
+    # Status never describes someone else's Deployment.
+    assert st["replicas"] == 0 and "engine" not in st
+    # Once it is gone, the next round builds everything.
+    del kube.objects[key]
+    rec.reconcile_by_name(NS, "chat")
+    assert conds(kube.status("chat"))["Degraded"] == ("False", "AsExpected")
+    assert len(kube.children()) == 5
+
+
+def test_an_hpa_of_the_name_is_ours_to_replace_only_if_we_own_it(kube, rec):
+    """mode hpa: a foreign HPA of the name is a conflict. Otherwise it is not a child at all:
+    it is left alone, never deleted as a left-over of an earlier spec."""
+    hpa = kube.put(foreign("HorizontalPodAutoscaler", "chat", "autoscaling/v2"))
+    autoscaling = {"enabled": True, "mode": "hpa"}
+    rec.reconcile(kube.add_isvc("chat", {"autoscaling": autoscaling}))
+    assert conds(kube.status("chat"))["Degraded"] == ("True", "NameConflict")
+    assert kube.objects[("HorizontalPodAutoscaler", NS, "chat")] == hpa
+    isvc = kube.objects[("InferenceService", NS, "chat")]
+    isvc["spec"], isvc["metadata"]["generation"] = {}, 2
+    rec.reconcile_by_name(NS, "chat")
+    assert conds(kube.status("chat"))["Degraded"] == ("False", "AsExpected")
+    assert kube.objects[("HorizontalPodAutoscaler", NS, "chat")] == hpa
+    assert ("delete", "HorizontalPodAutoscaler", "chat") not in kube.calls
+
+
+def test_a_left_over_hpa_of_ours_is_deleted_exactly_as_checked(kube, rec):
+    autoscaling = {"enabled": True, "mode": "hpa"}
+    rec.reconcile(kube.add_isvc("chat", {"autoscaling": autoscaling}))
+    hpa = kube.objects[("HorizontalPodAutoscaler", NS, "chat")]
+    isvc = kube.objects[("InferenceService", NS, "chat")]
+    isvc["spec"], isvc["metadata"]["generation"] = {}, 2
+    rec.reconcile_by_name(NS, "chat")
+    assert ("HorizontalPodAutoscaler", NS, "chat") not in kube.objects
+    assert ("delete", "HorizontalPodAutoscaler", "chat") in kube.calls
+    assert hpa["metadata"]["uid"]  # the precondition the fake checked
+
+
+def test_a_child_made_by_someone_else_between_the_check_and_the_write_is_not_taken(kube, rec):
+    """The check and the write are not one call: a create fails on an object made since it
+    was found absent, and an apply on one changed since it was checked (409: kopf retries,
+    and the next round sees whose it is)."""
+
+    class Racing(FakeKube):
+        def create(self, obj, *, dry_run=False):
+            if obj["kind"] == "Service" and not dry_run:
+                self.put(foreign("Service", "chat"))  # someone is faster
+            return super().create(obj, dry_run=dry_run)
+
+    kube = Racing()
+    rec = Reconciler(OperatorConfig(admin_key=KEY), kube=kube)
+    with pytest.raises(ApiException) as e:
+        rec.reconcile(kube.add_isvc("chat", {}))
+    assert e.value.status == 409
+    assert kube.objects[("Service", NS, "chat")]["spec"] == {"marker": "theirs"}
+    rec.reconcile_by_name(NS, "chat")  # kopf's retry
+    assert conds(kube.status("chat"))["Degraded"] == ("True", "NameConflict")
+
+
+def test_deployment_events_of_an_earlier_object_are_ignored(kube, rec):
+    rec.reconcile(kube.add_isvc("chat", {}))
+    dep = copy.deepcopy(kube.objects[("Deployment", NS, "chat")])
+    dep["metadata"]["ownerReferences"][0]["uid"] = "uid-of-an-earlier-chat"
+    dep["status"] = {"replicas": 7, "readyReplicas": 7}
+    rec.on_deployment_event("MODIFIED", dep)
+    assert kube.status("chat")["replicas"] == 0
+
+
+def test_a_status_update_between_the_check_and_the_apply_is_not_a_failure(kube, rec):
+    """A Deployment's controller writes its status all the time, which moves its
+    resourceVersion: the pinned apply fails once with 409, the child is checked again and
+    applied at its new version."""
+    rec.reconcile(kube.add_isvc("chat", {}))
+
+    class Busy(FakeKube):
+        bumped = False
+
+        def apply(self, obj, *, dry_run=False):
+            if obj["kind"] == "Deployment" and not dry_run and not self.bumped:
+                self.bumped = True
+                self.put(self.objects[("Deployment", NS, "chat")])  # a new resourceVersion
+            return super().apply(obj, dry_run=dry_run)
+
+    busy = Busy()
+    busy.objects = kube.objects
+    isvc = busy.objects[("InferenceService", NS, "chat")]
+    isvc["spec"], isvc["metadata"]["generation"] = {"engine": {"maxNumSeqs": 9}}, 2
+    Reconciler(rec.config, kube=busy).reconcile_by_name(NS, "chat")
+    assert busy.bumped
+    assert busy.status("chat")["engine"]["maxNumSeqs"] == 9
+    assert [c[:2] for c in busy.calls if c[:2] == ("apply", "Deployment") and not c[3]] == [
+        ("apply", "Deployment")
+    ] * 2

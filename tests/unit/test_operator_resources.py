@@ -138,24 +138,10 @@ def test_hf_source_runs_offline():
 
 
 def test_spec_problems():
-    spec = parse_spec(
-        {
-            "engine": {
-                "extraArgs": [
-                    "--max-num-seqs=4",
-                    "--no-enable-prefix-caching",
-                    "--kv-cache-memory",
-                    "1GiB",
-                ]
-            },
-            "pod": {"env": [{"name": names.ADMIN_TOKEN_ENV, "value": "x"}]},
-        }
-    )
-    problems = r.spec_problems(spec)
-    assert len(problems) == 3
-    assert any("--max-num-seqs" in p for p in problems)
-    assert any("--no-enable-prefix-caching" in p for p in problems)
-    assert any(names.ADMIN_TOKEN_ENV in p for p in problems)
+    spec = parse_spec({"pod": {"env": [{"name": names.ADMIN_TOKEN_ENV, "value": "x"}]}})
+    assert r.spec_problems(spec) == [
+        f"spec.pod.env: {names.ADMIN_TOKEN_ENV} is set by the operator"
+    ]
     assert r.spec_problems(parse_spec({"engine": {"extraArgs": ["--seed", "3"]}})) == []
 
 
@@ -193,13 +179,82 @@ def test_loop_state_from_status():
     }
     assert LoopState.from_status(status) == LoopState(3, 40, "fp8")
     assert LoopState.from_status(None) == LoopState()
+    status["tuning"]["maxNumBatchedTokens"] = 1024
+    assert LoopState.from_status(status).max_num_batched_tokens == 1024
 
 
 def test_token_rotation_rolls_the_pods():
-    a = deployment({}, token="one")["spec"]["template"]["metadata"]["annotations"]
-    b = deployment({}, token="two")["spec"]["template"]["metadata"]["annotations"]
-    assert a[r.ANN_TOKEN_HASH] != b[r.ANN_TOKEN_HASH]
-    assert "one" not in str(a) and "two" not in str(b)
+    """The token's Secret is named after a hash of it: a new token is a new Secret and a
+    new pod template, and neither the name nor the template carries the token."""
+    one, two = "tok-one-5b1c", "tok-two-9e2d"
+    a, b = children({}, token=one), children({}, token=two)
+    assert a[0]["metadata"]["name"] != b[0]["metadata"]["name"]
+    assert a[-1]["spec"]["template"] != b[-1]["spec"]["template"]
+    assert one not in str(a[-1]) and two not in str(b[-1])
+
+
+def test_admin_token_is_derived_from_the_key_and_the_objects_identity():
+    token = r.admin_token(b"key-1", OWNER)
+    assert token == r.admin_token(b"key-1", OWNER) and len(token) >= 43  # 256 bits
+    others = [
+        r.admin_token(b"key-2", OWNER),
+        r.admin_token(b"key-1", Owner(name="chat", namespace="team-a", uid="another-uid")),
+        r.admin_token(b"key-1", Owner(name="chat", namespace="team-b", uid="0000-uid")),
+        r.admin_token(b"key-1", Owner(name="chat2", namespace="team-a", uid="0000-uid")),
+    ]
+    assert len({token, *others}) == 5
+    name = r.secret_name("chat", token)
+    assert name.startswith("chat-admin-") and token not in name
+    assert name != r.secret_name("chat", others[0])
+
+
+def test_pods_pass_the_restricted_pod_security_standard():
+    """What the restricted profile asks of a pod, plus a read-only root filesystem with
+    emptyDirs where the server writes, and the variables that point there."""
+    dep = deployment({"model": {"source": "pvc://weights/llama"}})
+    pod = dep["spec"]["template"]["spec"]
+    sc = pod["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] == r.RUN_AS_USER != 0
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    c = container(dep)
+    assert c["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        assert key not in pod
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    for name, path in r.SCRATCH_VOLUMES:
+        assert volumes[name] == {"name": name, "emptyDir": {}} and mounts[path] == name
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["HOME"] == r.HOME
+    for var in ("TORCH_EXTENSIONS_DIR", "TRITON_CACHE_DIR"):
+        assert env[var].startswith(r.HOME + "/")
+    # The model claim stays read-only.
+    assert mounts["/models/weights"] == "model"
+
+
+def test_admin_port_is_on_the_pod_not_on_the_service():
+    out = children({})
+    svc, dep = out[2], out[4]
+    c = container(dep)
+    assert {"name": "admin", "containerPort": names.DEFAULT_ADMIN_PORT, "protocol": "TCP"} in c[
+        "ports"
+    ]
+    assert c["args"][c["args"].index("--admin-port") + 1] == str(names.DEFAULT_ADMIN_PORT)
+    assert [p["port"] for p in svc["spec"]["ports"]] == [names.DEFAULT_PORT]
+    # Probes stay on the public port.
+    assert c["readinessProbe"]["httpGet"]["port"] == "http"
+
+
+def test_service_account_allow_list():
+    sa = {"metadata": {"name": "sa", "labels": {r.LABEL_SA_ALLOWED: "allowed"}}}
+    assert r.service_account_allowed(sa)
+    assert not r.service_account_allowed({"metadata": {"name": "sa"}})
+    assert not r.service_account_allowed({"metadata": {"labels": {r.LABEL_SA_ALLOWED: "yes"}}})
 
 
 def test_contains_and_drifted():
@@ -383,12 +438,13 @@ def test_properties_of_every_valid_spec(raw):
     assert pod["terminationGracePeriodSeconds"] > sleep + shutdown
     assert c["args"][c["args"].index("--shutdown-timeout") + 1] == str(shutdown)
     # The admin token comes from the owned Secret.
+    secret_name = r.secret_name("chat", TOKEN)
     token_env = {
         "name": names.ADMIN_TOKEN_ENV,
-        "valueFrom": {"secretKeyRef": {"name": "chat-admin-token", "key": "token"}},
+        "valueFrom": {"secretKeyRef": {"name": secret_name, "key": "token"}},
     }
     assert c["env"][0] == token_env
-    assert out[0]["data"]["token"] and out[0]["metadata"]["name"] == "chat-admin-token"
+    assert out[0]["data"]["token"] and out[0]["metadata"]["name"] == secret_name
     # Pass-through.
     want_resources = {
         k: {n: str(q) for n, q in v.items()} for k, v in (raw.get("resources") or {}).items() if v
@@ -658,6 +714,46 @@ def test_tuned_max_num_seqs_changes_the_config_map_not_the_pod_template():
     assert c[4]["spec"]["template"] != b[4]["spec"]["template"]
 
 
+TUNED_BUDGET = {"enabled": True, "maxNumBatchedTokens": {"min": 256, "max": 4096}}
+
+
+def test_tuned_step_budget_is_clamped_within_its_range():
+    spec = parse_spec({"tuning": TUNED_BUDGET})
+    for tuned, want in ((1024, 1024), (64, 256), (10_000, 4096)):
+        engine = r.effective_engine(spec, LoopState(max_num_batched_tokens=tuned))
+        assert engine.max_num_batched_tokens == want
+    # Nothing decided: spec.engine's value, else the range's max (what pods start with).
+    assert r.effective_engine(spec, LoopState()).max_num_batched_tokens == 4096
+    spec = parse_spec({"tuning": TUNED_BUDGET, "engine": {"maxNumBatchedTokens": 512}})
+    assert r.effective_engine(spec, LoopState()).max_num_batched_tokens == 512
+    # Not tuned (no range, or the tuner off): a decision is ignored.
+    for tuning in ({"enabled": True}, {**TUNED_BUDGET, "enabled": False}):
+        spec = parse_spec({"tuning": tuning, "engine": {"maxNumBatchedTokens": 512}})
+        engine = r.effective_engine(spec, LoopState(max_num_batched_tokens=1024))
+        assert engine.max_num_batched_tokens == 512
+
+
+def test_tuned_step_budget_changes_the_config_map_not_the_pod_template():
+    a = children({"tuning": TUNED_BUDGET}, loops=LoopState(max_num_batched_tokens=512))
+    b = children({"tuning": TUNED_BUDGET}, loops=LoopState(max_num_batched_tokens=2048))
+    assert a[1]["data"] == {"max_num_seqs": "64", "max_num_batched_tokens": "512"}
+    assert b[1]["data"]["max_num_batched_tokens"] == "2048"
+    assert a[4] == b[4]  # the same Deployment, pod template and annotation: nothing rolls
+    # Pods start with the range's max, the budget the engine profiles at start-up, so any
+    # tuned value within the range fits live; the annotation records that start.
+    args = container(a[4])["args"]
+    assert args[args.index("--max-num-batched-tokens") + 1] == "4096"
+    assert r.read_engine_settings(a[4])["maxNumBatchedTokens"] == 4096
+
+
+def test_an_untuned_step_budget_is_the_spec_engines():
+    spec = {"tuning": {"enabled": True}, "engine": {"maxNumBatchedTokens": 1024}}
+    out = children(spec, loops=LoopState(max_num_batched_tokens=512))
+    assert out[1]["data"] == {"max_num_seqs": "64"}
+    args = container(out[4])["args"]
+    assert args[args.index("--max-num-batched-tokens") + 1] == "1024"
+
+
 def test_live_max_num_seqs_arg_parses_with_the_servers_own_cli_once_expanded():
     """Kubernetes expands $(VAR) in args from the container's env; the expanded args are
     ones `batchpilot serve` accepts, with the ConfigMap's value."""
@@ -675,3 +771,15 @@ def test_live_max_num_seqs_arg_parses_with_the_servers_own_cli_once_expanded():
 def test_reserved_env_is_refused():
     spec = parse_spec({"pod": {"env": [{"name": r.MAX_NUM_SEQS_ENV, "value": "4"}]}})
     assert r.spec_problems(spec) == [f"spec.pod.env: {r.MAX_NUM_SEQS_ENV} is set by the operator"]
+
+
+def test_turning_builtin_autoscaling_on_keeps_the_running_count_until_the_loop_decides():
+    spec = parse_spec(
+        {"replicas": 3, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}}
+    )
+    assert r.desired_replicas(spec, r.LoopState()) == 3
+    assert r.desired_replicas(spec, r.LoopState(replicas=2)) == 2
+    tight = parse_spec(
+        {"replicas": 9, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}}
+    )
+    assert r.desired_replicas(tight, r.LoopState()) == 4

@@ -135,3 +135,34 @@ def test_kept_problem_is_per_generation():
     assert s.kept_problem(st, 4) == s.Problem(s.INVALID_SPEC, "bad")
     assert s.kept_problem(st, 5) is None
     assert s.kept_problem(compute(dep()), 3) is None
+
+
+def test_loop_blind_condition_follows_what_the_loop_wrote():
+    why = "1 of 4 Ready replicas answered their scrape: http://r1: timeout"
+    blind = compute(dep(), prev={"metrics": {"loopBlind": why}}, now="2026-01-01T00:00:00Z")
+    assert conds(blind)["LoopBlind"] == ("True", "ReplicasUnscraped")
+    (c,) = [c for c in blind["conditions"] if c["type"] == "LoopBlind"]
+    assert c["message"] == why and c["observedGeneration"] == 3
+    # The loop sees again (it wrote None, merge-patched away): False, with a new transition.
+    sighted = compute(
+        dep(), prev={**blind, "metrics": {"loopBlind": None}}, now="2026-01-01T00:05:00Z"
+    )
+    assert conds(sighted)["LoopBlind"] == ("False", "ReplicasScraped")
+    (c,) = [c for c in sighted["conditions"] if c["type"] == "LoopBlind"]
+    assert c["lastTransitionTime"] == "2026-01-01T00:05:00Z"
+    # Still blind a turn later: the transition time is kept.
+    again = compute(
+        dep(), prev={**blind, "metrics": {"loopBlind": "still"}}, now="2026-01-01T00:09:00Z"
+    )
+    (c,) = [c for c in again["conditions"] if c["type"] == "LoopBlind"]
+    assert c["lastTransitionTime"] == "2026-01-01T00:00:00Z" and c["message"] == "still"
+
+
+def test_no_loop_blind_condition_before_any_loop_ran():
+    assert "LoopBlind" not in conds(compute(dep()))
+    assert "LoopBlind" not in conds(compute(dep(), prev={"metrics": "garbage"}))
+    assert s.loop_blind({"metrics": {}}) == (
+        False,
+        "ReplicasScraped",
+        "enough replicas answer their scrape to decide",
+    )

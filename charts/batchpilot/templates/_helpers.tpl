@@ -29,6 +29,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
+{{/* The Secret holding the operator's admin key: the user's, or the chart's own. */}}
+{{- define "batchpilot.adminKeySecret" -}}
+{{- .Values.operator.adminKey.existingSecret | default (printf "%s-admin-key" (include "batchpilot.fullname" .)) -}}
+{{- end -}}
+
 {{- define "batchpilot.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}

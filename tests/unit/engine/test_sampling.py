@@ -90,3 +90,16 @@ def test_incremental_detokenizer_handles_split_multibyte_characters(tiny_model):
     deltas = [detok.add(i) for i in ids]
     assert "".join(deltas) == text
     assert all("\ufffd" not in d for d in deltas)
+
+
+def test_unseeded_requests_draw_seeds_from_the_os_unless_the_engine_has_a_seed(tiny_model):
+    # Two replicas (or one after a restart) must not repeat each other's series: a client
+    # that learned one could predict another client's samples.
+    params = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+
+    def unseeded_tokens(seed):
+        engine = LLM(tiny_model, dtype="float32", max_model_len=64, seed=seed)
+        return [o.outputs[0].token_ids for o in engine.generate(["a", "b"], params, use_tqdm=False)]
+
+    assert unseeded_tokens(None) != unseeded_tokens(None)
+    assert unseeded_tokens(7) == unseeded_tokens(7)

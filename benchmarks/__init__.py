@@ -1,0 +1,1 @@
+"""Benchmarks and the closed-loop simulator; not part of the installed package."""

@@ -1,0 +1,1 @@
+"""The parts of benchmarks/tune.py: the load, the machine, the report."""

@@ -1,0 +1,265 @@
+"""What the kind test files share: the environment knobs, running kind/kubectl/helm, the
+``Kind`` handle, the operator's helm install, the CPU sample, waiting, diagnostics and the
+teardown. The session fixtures built on it (the cluster, the images in it) are in
+conftest.py; see test_kind_e2e.py's docstring and README.md for the knobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+CLUSTER = "batchpilot-e2e"
+CACHE = Path(os.environ.get("BATCHPILOT_CACHE", Path.home() / ".cache" / "batchpilot"))
+K8S_VERSION = re.search(
+    r"^K8S_VERSION=(\S+)", (REPO / "tests/k8s/versions.env").read_text(), re.M
+).group(1)
+TOOL_PATH = [CACHE / "kind" / "bin", CACHE / "k8s" / K8S_VERSION / "bin"]
+ENV_PATH = os.pathsep.join([*map(str, TOOL_PATH), os.environ.get("PATH", "")])
+SERVER_IMAGE = os.environ.get("BATCHPILOT_KIND_SERVER_IMAGE", "batchpilot-server:e2e")
+OPERATOR_IMAGE = os.environ.get("BATCHPILOT_KIND_OPERATOR_IMAGE", "batchpilot-operator:e2e")
+NODE_IMAGE = os.environ.get("BATCHPILOT_KIND_NODE_IMAGE", "")
+KEEP = os.environ.get("BATCHPILOT_KIND_KEEP", "") not in ("", "0")
+SKIP_BUILD = os.environ.get("BATCHPILOT_KIND_SKIP_BUILD", "") not in ("", "0")
+READY_TIMEOUT = float(os.environ.get("BATCHPILOT_KIND_READY_TIMEOUT", "900"))
+OPERATOR_NAMESPACE = "batchpilot-system"
+OPERATOR_SELECTOR = (
+    "app.kubernetes.io/name=batchpilot-operator,app.kubernetes.io/component=operator"
+)
+RELEASE = "batchpilot"
+SERVICE = "smol"
+SERVER_PORT = 8000
+GROUP, VERSION, PLURAL = "batchpilot.dev", "v1alpha1", "inferenceservices"
+
+
+def which(name: str) -> str | None:
+    return shutil.which(name, path=ENV_PATH)
+
+
+def build_mode() -> str:
+    default = "local" if shutil.which("debootstrap") and os.geteuid() == 0 else "docker"
+    return os.environ.get("BATCHPILOT_KIND_BUILD", default)
+
+
+def kind_skip_reason() -> str | None:
+    prefix = "kind e2e needs a Docker engine and kind; "
+    if shutil.which("docker") is None:
+        return prefix + "docker is not on PATH (CI: kind-tests/host-setup.sh installs it)"
+    try:
+        info = subprocess.run(
+            ["docker", "info", "--format", "{{.ServerVersion}}"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except subprocess.TimeoutExpired:
+        return prefix + "`docker info` timed out"
+    if info.returncode != 0:
+        detail = (info.stderr or info.stdout).strip().splitlines()
+        return prefix + f"no Docker engine answers: {detail[-1] if detail else info.returncode}"
+    if which("kind") is None:
+        return prefix + "kind is neither on PATH nor built (`make kind-toolchain`)"
+    for tool in ("kubectl", "helm"):
+        if which(tool) is None:
+            return prefix + f"{tool} is neither on PATH nor built (`make k8s-bins`)"
+    if build_mode() not in ("local", "docker"):
+        return prefix + "BATCHPILOT_KIND_BUILD must be local or docker"
+    return None
+
+
+def run(*cmd: str, env: dict | None = None, input: str | None = None, timeout: float = 600):
+    """Run a command from the repo root; raise with its output when it fails."""
+    env = {**os.environ, "PATH": ENV_PATH, **(env or {})}
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, input=input, capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} -> {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
+    return proc
+
+
+def wait_for(what: str, predicate: Callable[[], object], timeout: float, every: float = 2.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(every)
+
+
+class Kind:
+    def __init__(self, kubeconfig: Path, workdir: Path):
+        self.kubeconfig = kubeconfig
+        self.workdir = workdir
+        self.env = {"KUBECONFIG": str(kubeconfig), "PATH": ENV_PATH}
+        self.node_ip = ""
+
+    def kubectl(self, *args: str, input: str | None = None, timeout: float = 180):
+        return run("kubectl", *args, env=self.env, input=input, timeout=timeout)
+
+    def helm(self, *args: str, timeout: float = 600):
+        return run("helm", *args, env=self.env, timeout=timeout)
+
+    def apply(self, *objects: dict) -> None:
+        items = {"apiVersion": "v1", "kind": "List", "items": list(objects)}
+        self.kubectl("apply", "-f", "-", input=json.dumps(items))
+
+    def get(self, *args: str) -> dict:
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def sh(self, cmd: str) -> str:
+        env = {**os.environ, **self.env}
+        proc = subprocess.run(cmd, shell=True, env=env, capture_output=True, text=True)
+        return f"$ {cmd}\n{proc.stdout[-8000:]}{proc.stderr[-2000:]}"
+
+
+def image_args(image: str) -> tuple[str, str]:
+    repository, _, tag = image.rpartition(":")
+    return repository, tag
+
+
+def install_operator(kind: Kind) -> None:
+    """helm install: the operator in-cluster with the chart's own (least-privilege) RBAC.
+    A previous module's teardown may still be deleting the operator's namespace."""
+    wait_for(
+        f"namespace {OPERATOR_NAMESPACE} from an earlier teardown to be gone",
+        lambda: (
+            not kind.kubectl(
+                "get", "namespace", OPERATOR_NAMESPACE, "--ignore-not-found", "-o", "name"
+            ).stdout.strip()
+            or kind.get("namespace", OPERATOR_NAMESPACE)["status"].get("phase") != "Terminating"
+        ),
+        300,
+    )
+    op_repo, op_tag = image_args(OPERATOR_IMAGE)
+    srv_repo, srv_tag = image_args(SERVER_IMAGE)
+    kind.helm(
+        "upgrade",
+        "--install",
+        RELEASE,
+        str(REPO / "charts" / "batchpilot"),
+        "--namespace",
+        OPERATOR_NAMESPACE,
+        "--create-namespace",
+        "--set",
+        f"image.repository={op_repo}",
+        "--set",
+        f"image.tag={op_tag}",
+        "--set",
+        "image.pullPolicy=Never",
+        "--set",
+        f"serverImage.repository={srv_repo}",
+        "--set",
+        f"serverImage.tag={srv_tag}",
+        "--set",
+        "operator.logFormat=plain",
+        "--set",
+        "operator.reconcileInterval=10",
+        "--wait",
+        "--timeout",
+        "300s",
+    )
+    kind.helm("test", RELEASE, "--namespace", OPERATOR_NAMESPACE, "--timeout", "300s")
+
+
+def diagnostics(kind: Kind, namespace: str, service: str = SERVICE) -> str:
+    parts = [
+        kind.sh(f"kubectl get {PLURAL} -n {namespace} -o yaml"),
+        kind.sh(f"kubectl get all,pdb,events -n {namespace} -o wide"),
+        kind.sh(f"kubectl describe pods -n {namespace}"),
+        kind.sh(
+            f"kubectl logs -n {namespace} -l batchpilot.dev/service={service} --tail=80 "
+            "--all-containers --prefix"
+        ),
+        kind.sh(f"kubectl get pods,events -n {OPERATOR_NAMESPACE} -o wide"),
+        kind.sh(f"kubectl logs -n {OPERATOR_NAMESPACE} deployment/{RELEASE} --tail=200"),
+        kind.sh("kubectl get nodes -o wide; kubectl describe nodes | tail -40"),
+    ]
+    return "\n".join(parts)
+
+
+def cpu_sample(namespace: str, name: str = SERVICE) -> dict:
+    """examples/cpu-bundled.yaml, with requests small enough for a 2-core kind node."""
+    sample = yaml.safe_load((REPO / "examples" / "cpu-bundled.yaml").read_text())
+    assert sample["spec"]["model"]["source"] == "bundled"
+    sample["metadata"] = {"name": name, "namespace": namespace}
+    sample["spec"]["imagePullPolicy"] = "IfNotPresent"  # the image exists only in kind
+    sample["spec"]["resources"] = {
+        "requests": {"cpu": "200m", "memory": "768Mi"},
+        "limits": {"memory": "3Gi"},
+    }
+    return sample
+
+
+def is_ready(obj: dict) -> bool:
+    conditions = obj.get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def teardown(kind: Kind, namespace: str, service: str = SERVICE) -> None:
+    """Delete the CRs, then helm uninstall; nothing of batchpilot may remain."""
+    kind.kubectl("delete", PLURAL, "--all", "-n", namespace, "--wait=true", timeout=300)
+    selector = f"batchpilot.dev/service={service}"
+    wait_for(
+        "the InferenceService's children to be garbage-collected",
+        lambda: not kind.kubectl(
+            "get", "deployments,services,pdb,secrets,pods", "-n", namespace, "-l", selector,
+            "-o", "name",
+        ).stdout.strip(),
+        300,
+    )  # fmt: skip
+    kind.helm("uninstall", RELEASE, "--namespace", OPERATOR_NAMESPACE, "--wait")
+    release = f"app.kubernetes.io/instance={RELEASE}"
+    wait_for(
+        "the release's objects to be gone",
+        lambda: not (
+            kind.kubectl("get", "all,sa,cm,roles,rolebindings", "-n", OPERATOR_NAMESPACE,
+                         "-l", release, "-o", "name").stdout.strip()
+            or kind.kubectl("get", "clusterroles,clusterrolebindings", "-l", release,
+                            "-o", "name").stdout.strip()
+        ),
+        300,
+    )  # fmt: skip
+    # Helm never deletes crds/: that is the cluster owner's call, made here.
+    kind.kubectl("delete", "-f", str(REPO / "charts" / "batchpilot" / "crds"), "--wait=true")
+    assert not kind.kubectl("get", "crd", "-o", "name").stdout.count(GROUP)
+    kind.kubectl("delete", "namespace", namespace, OPERATOR_NAMESPACE, "--wait=false")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rollout_done(kind: Kind, namespace: str, after_generation: int, name: str = SERVICE) -> bool:
+    dep = kind.get("deployment", name, "-n", namespace)
+    st, want = dep.get("status", {}), dep["spec"]["replicas"]
+    return (
+        dep["metadata"]["generation"] > after_generation
+        and st.get("observedGeneration", 0) >= dep["metadata"]["generation"]
+        and st.get("updatedReplicas", 0) == want
+        and st.get("readyReplicas", 0) == want
+        and st.get("replicas", 0) == want
+    )
+
+
+def patch_spec(kind: Kind, namespace: str, spec: dict, name: str = SERVICE) -> None:
+    kind.kubectl(
+        "patch", PLURAL, name, "-n", namespace, "--type=merge", "-p", json.dumps({"spec": spec})
+    )

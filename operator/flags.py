@@ -1,0 +1,66 @@
+"""The `batchpilot serve` flags the operator derives from the spec, and the rule that keeps
+engine.extraArgs from setting them: stated once for the CRD (CEL) and for the operator.
+
+`batchpilot serve` parses with allow_abbrev=False, so an abbreviation (`--max-num-seq=9`)
+is an unknown flag there. The rule refuses abbreviations too, so that such a spec is
+refused by the API server instead of crash-looping the pods.
+"""
+
+from __future__ import annotations
+
+from batchpilot import names
+
+# Engine knobs the spec sets (engine.*), each a flag of the server.
+ENGINE_KNOBS = (
+    names.MAX_MODEL_LEN,
+    names.MAX_NUM_SEQS,
+    names.MAX_NUM_BATCHED_TOKENS,
+    names.BLOCK_SIZE,
+    names.KV_CACHE_DTYPE,
+    names.GPU_MEMORY_UTILIZATION,
+    names.SWAP_SPACE,
+    names.PREEMPTION_MODE,
+    names.ENABLE_CHUNKED_PREFILL,
+    names.ENABLE_PREFIX_CACHING,
+)
+BOOL_KNOBS = frozenset([names.ENABLE_CHUNKED_PREFILL.name, names.ENABLE_PREFIX_CACHING.name])
+
+MANAGED_FLAGS = tuple(
+    sorted(
+        [
+            "--model",
+            "--served-model-name",
+            "--host",
+            "--port",
+            "--admin-port",
+            "--dtype",
+            "--shutdown-timeout",
+            "--max-queue-len",
+            "--admin-token",
+        ]
+        + [k.flag for k in ENGINE_KNOBS]
+        + ["--no-" + k.flag[2:] for k in ENGINE_KNOBS if k.name in BOOL_KNOBS]
+    )
+)
+
+
+def overrides_managed(arg: str) -> bool:
+    """Is ``arg`` a managed flag, one of its `=` forms, or a prefix of one (an abbreviation,
+    or a bare `--`)? Values (not starting with `--`) never are."""
+    if not arg.startswith("--"):
+        return False
+    flag = arg.split("=", 1)[0]
+    return any(m.startswith(flag) for m in MANAGED_FLAGS)
+
+
+# The same predicate over the whole list, in CEL (Kubernetes' strings extension: split).
+EXTRA_ARGS_CEL = (
+    "!has(self.extraArgs) || self.extraArgs.all(a, !a.startsWith('--') || !["
+    + ", ".join(f"'{m}'" for m in MANAGED_FLAGS)
+    + "].exists(m, m.startsWith(a.split('=')[0])))"
+)
+EXTRA_ARGS_MESSAGE = (
+    "engine.extraArgs may not set, or abbreviate, a flag the operator derives from the spec ("
+    + ", ".join(MANAGED_FLAGS)
+    + "): set the spec field instead"
+)

@@ -1,0 +1,375 @@
+"""The tuner's memory, in one place: the settings it keeps in force, the experiment it is
+running, its verdicts on settings it tried, and a bounded history of its decisions.
+
+All of it lives in ``status.tuning`` (the operator is stateless across restarts). This
+module is the only reader and writer of that key: ``TunerState.from_status`` parses it
+(forgiving: a hand-edited entry is dropped, never a crash) and ``to_status`` writes it.
+``resources.LoopState`` reads the settings in force through ``settings_from_status``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Literal
+
+from batchpilot import names
+
+HISTORY_LENGTH = 20  # decisions kept in status.tuning.history
+VERDICTS_KEPT = 32  # verdicts remembered (the oldest ones are forgotten first)
+
+# What a change does. raise/lower: max_num_seqs; raise_budget/lower_budget: the step's
+# token budget (max_num_batched_tokens); fp8/fp8_off: the KV-cache dtype.
+Kind = Literal["raise", "lower", "raise_budget", "lower_budget", "fp8", "fp8_off"]
+# trying: the experiment runs; canary: it runs on one replica; kept / reverted: judged;
+# abandoned: cut short (the replicas it ran on went away or stopped answering).
+Outcome = Literal["trying", "canary", "kept", "reverted", "abandoned"]
+
+MNS = names.MAX_NUM_SEQS.crd_field
+KV = names.KV_CACHE_DTYPE.crd_field
+MNBT = names.MAX_NUM_BATCHED_TOKENS.crd_field
+
+
+def timestamp(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_timestamp(s: str) -> float:
+    return datetime.fromisoformat(s).timestamp()
+
+
+def is_fp8(dtype: str) -> bool:
+    return dtype.startswith("fp8")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine settings the loop tunes."""
+
+    max_num_seqs: int
+    kv_cache_dtype: str = "auto"
+    max_num_batched_tokens: int | None = None  # None: not tuned (the server's default)
+
+    @property
+    def key(self) -> str:
+        """A stable name, for verdicts and the capacity figure measured under them."""
+        budget = self.max_num_batched_tokens or "default"
+        return f"maxNumSeqs={self.max_num_seqs},kvCacheDtype={self.kv_cache_dtype},maxNumBatchedTokens={budget}"
+
+    def live_changes(self, other: EngineSettings) -> dict:
+        """What /admin/config must be sent to go from ``other`` to these settings."""
+        out = {}
+        if self.max_num_seqs != other.max_num_seqs:
+            out[names.MAX_NUM_SEQS.name] = self.max_num_seqs
+        if (
+            self.max_num_batched_tokens
+            and self.max_num_batched_tokens != other.max_num_batched_tokens
+        ):
+            out[names.MAX_NUM_BATCHED_TOKENS.name] = self.max_num_batched_tokens
+        return out
+
+    def to_status(self) -> dict:
+        out: dict = {MNS: self.max_num_seqs, KV: self.kv_cache_dtype}
+        if self.max_num_batched_tokens is not None:
+            out[MNBT] = self.max_num_batched_tokens
+        return out
+
+    @classmethod
+    def from_status(cls, d: dict) -> EngineSettings:
+        budget = d.get(MNBT)
+        return cls(int(d[MNS]), str(d[KV]), int(budget) if budget is not None else None)
+
+
+@dataclass(frozen=True)
+class Move:
+    """A kind of change from given settings: what a verdict is about. Keyed by where it
+    starts, not where it lands: a rejected lower from 30 to 22 also forbids the lower from
+    30 to 21 that a slightly different batch would propose next."""
+
+    before: EngineSettings
+    kind: Kind
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind} from {self.before.key}"
+
+
+@dataclass(frozen=True)
+class Score:
+    """One window reduced to the objective, per replica: what an experiment compares."""
+
+    goodput: float  # generation tokens/s of requests within the SLO, estimated
+    throughput: float  # generation tokens/s
+    waiting: float  # mean queue
+    itl_p99: float | None
+    ttft_p99: float | None
+    samples: int  # ITL observations behind the figures
+    seconds: float
+    running: float = 0.0  # mean batch
+
+    @property
+    def load(self) -> float:
+        """Requests in the system: what the verdicts compare loads by."""
+        return self.running + self.waiting
+
+    @property
+    def attainment(self) -> float:
+        """The share of generated tokens that met the SLO."""
+        return self.goodput / self.throughput if self.throughput > 0 else 0.0
+
+    def to_status(self) -> dict:
+        out = {
+            "goodputTokensPerSecond": round(self.goodput, 2),
+            "tokensPerSecond": round(self.throughput, 2),
+            "waiting": round(self.waiting, 2),
+            "running": round(self.running, 2),
+            "itlSamples": self.samples,
+            "windowSeconds": round(self.seconds, 1),
+        }
+        for key, value in (("itlP99Seconds", self.itl_p99), ("ttftP99Seconds", self.ttft_p99)):
+            if value is not None:
+                out[key] = round(value, 4)
+        return out
+
+    @classmethod
+    def from_status(cls, d: dict) -> Score:
+        def maybe(key: str) -> float | None:
+            return float(d[key]) if d.get(key) is not None else None
+
+        return cls(
+            goodput=float(d["goodputTokensPerSecond"]),
+            throughput=float(d["tokensPerSecond"]),
+            waiting=float(d["waiting"]),
+            itl_p99=maybe("itlP99Seconds"),
+            ttft_p99=maybe("ttftP99Seconds"),
+            samples=int(d["itlSamples"]),
+            seconds=float(d["windowSeconds"]),
+            running=float(d.get("running", 0.0)),
+        )
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """A change on trial: ``before`` is what it replaced, ``baseline`` the score before it
+    (None with a canary: the other replicas in the same window are the baseline)."""
+
+    kind: Kind
+    before: EngineSettings
+    after: EngineSettings
+    started: float
+    reason: str
+    baseline: Score | None = None
+    canary: str | None = None  # the replica URL trying it; None: every replica
+    slo_missed: bool = False  # was a latency target missed before it (then restoring it counts)
+
+    def to_status(self) -> dict:
+        out: dict = {
+            "kind": self.kind,
+            "from": self.before.to_status(),
+            "to": self.after.to_status(),
+            "started": timestamp(self.started),
+            "reason": self.reason,
+            "sloMissed": self.slo_missed,
+        }
+        if self.baseline is not None:
+            out["baseline"] = self.baseline.to_status()
+        if self.canary is not None:
+            out["canary"] = self.canary
+        return out
+
+    @classmethod
+    def from_status(cls, d: dict) -> Experiment:
+        return cls(
+            kind=d["kind"],
+            before=EngineSettings.from_status(d["from"]),
+            after=EngineSettings.from_status(d["to"]),
+            started=parse_timestamp(d["started"]),
+            reason=str(d.get("reason", "")),
+            baseline=Score.from_status(d["baseline"]) if d.get("baseline") else None,
+            canary=d.get("canary"),
+            slo_missed=bool(d.get("sloMissed", False)),
+        )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The last judgement of moving to ``settings``: a rejected move is not tried again
+    before ``until``, each rejection in a row doubling the wait (a decay, so the loop
+    re-probes a value later without oscillating), nor afterwards while the load is what it
+    was judged at (the same load gives the same answer: steady load, no re-probes)."""
+
+    settings: str  # the Move's key
+    kept: bool
+    time: float
+    strikes: int = 0  # rejections in a row
+    until: float = 0.0
+    load: float | None = None  # requests in the system per replica when judged
+
+    def blocks(self, now: float, load: float | None = None) -> bool:
+        if self.kept:
+            return False
+        return now < self.until or same_load(self.load, load)
+
+    def to_status(self) -> dict:
+        return {
+            "settings": self.settings,
+            "kept": self.kept,
+            "time": timestamp(self.time),
+            "strikes": self.strikes,
+            "retryAfter": timestamp(self.until),
+            **({"load": round(self.load, 2)} if self.load is not None else {}),
+        }
+
+    @classmethod
+    def from_status(cls, d: dict) -> Verdict:
+        return cls(
+            settings=str(d["settings"]),
+            kept=bool(d["kept"]),
+            time=parse_timestamp(d["time"]),
+            strikes=int(d["strikes"]),
+            until=parse_timestamp(d["retryAfter"]),
+            load=float(d["load"]) if d.get("load") is not None else None,
+        )
+
+
+@dataclass(frozen=True)
+class TuneDecision:
+    """One turn's decision, and, when it changed something, its history entry."""
+
+    action: Literal["hold", "try", "canary", "keep", "rollout", "revert", "abandon"]
+    settings: EngineSettings  # in force on every replica after this decision
+    reason: str
+    time: float = 0.0
+    kind: Kind | None = None  # the change tried, kept or reverted
+    before: Score | None = None
+    after: Score | None = None
+    inputs: dict = field(default_factory=dict)
+
+    @property
+    def changes(self) -> bool:
+        return self.action != "hold"
+
+    def to_status(self) -> dict:
+        out: dict = {
+            "time": timestamp(self.time),
+            "action": self.action,
+            "kind": self.kind,
+            **self.settings.to_status(),
+            "reason": self.reason,
+        }
+        if self.before is not None:
+            out["before"] = self.before.to_status()
+        if self.after is not None:
+            out["after"] = self.after.to_status()
+        return out
+
+    @classmethod
+    def from_status(cls, d: dict) -> TuneDecision:
+        return cls(
+            action=d["action"],
+            settings=EngineSettings.from_status(d),
+            reason=str(d.get("reason", "")),
+            time=parse_timestamp(d["time"]),
+            kind=d.get("kind"),
+            before=Score.from_status(d["before"]) if d.get("before") else None,
+            after=Score.from_status(d["after"]) if d.get("after") else None,
+        )
+
+
+def _parsed(items: object, parse) -> list:
+    out = []
+    for d in items if isinstance(items, list) else []:
+        try:
+            out.append(parse(d))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue  # an entry someone edited by hand: ignore it, never crash the loop
+    return out
+
+
+@dataclass(frozen=True)
+class TunerState:
+    settings: EngineSettings | None = None  # None: nothing decided yet (spec.engine rules)
+    experiment: Experiment | None = None
+    verdicts: tuple[Verdict, ...] = ()
+    history: tuple[TuneDecision, ...] = ()
+
+    @property
+    def last_change(self) -> float | None:
+        return max((d.time for d in self.history), default=None)
+
+    def blocked(
+        self, settings: EngineSettings, now: float, load: float | None = None
+    ) -> Verdict | None:
+        """The verdict that forbids trying ``settings`` now (at ``load``), if any."""
+        return next(
+            (v for v in self.verdicts if v.settings == settings.key and v.blocks(now, load)),
+            None,
+        )
+
+    def judged(
+        self,
+        settings: EngineSettings,
+        kept: bool,
+        now: float,
+        base: float,
+        cap: float,
+        load: float | None = None,
+    ) -> TunerState:
+        """Remember a verdict on ``settings``: kept clears its strikes, rejected backs off."""
+        old = next((v for v in self.verdicts if v.settings == settings.key), None)
+        strikes = 0 if kept else (old.strikes if old else 0) + 1
+        wait = 0.0 if kept else min(cap, base * 2 ** (strikes - 1))
+        verdict = Verdict(settings.key, kept, now, strikes, now + wait, load)
+        others = tuple(v for v in self.verdicts if v.settings != settings.key)
+        return replace(self, verdicts=(*others, verdict)[-VERDICTS_KEPT:])
+
+    def decided(self, d: TuneDecision, experiment: Experiment | None) -> TunerState:
+        # The history keeps what was decided and measured; the inputs are the latest's only.
+        history = (*self.history, replace(d, inputs={})) if d.changes else self.history
+        return replace(
+            self, settings=d.settings, experiment=experiment, history=history[-HISTORY_LENGTH:]
+        )
+
+    @classmethod
+    def from_status(cls, status: dict | None) -> TunerState:
+        tuning = (status or {}).get("tuning") or {}
+        try:
+            settings = EngineSettings.from_status(tuning)
+        except (KeyError, TypeError, ValueError):
+            settings = None
+        experiments = _parsed([tuning.get("experiment")], Experiment.from_status)
+        return cls(
+            settings=settings,
+            experiment=experiments[0] if experiments else None,
+            verdicts=tuple(_parsed(tuning.get("verdicts"), Verdict.from_status)),
+            history=tuple(_parsed(tuning.get("history"), TuneDecision.from_status)),
+        )
+
+    def to_status(self, latest: TuneDecision, now: float) -> dict:
+        """status.tuning: merge-patched, so None removes an experiment that is over."""
+        assert self.settings is not None
+        return {
+            **self.settings.to_status(),
+            "lastDecision": latest.action,
+            "reason": latest.reason,
+            "inputs": latest.inputs,
+            "time": timestamp(now),
+            "experiment": self.experiment.to_status() if self.experiment else None,
+            "verdicts": [v.to_status() for v in self.verdicts],
+            "history": [d.to_status() for d in self.history],
+        }
+
+
+SAME_LOAD = 0.25  # loads within this share of each other count as the same
+
+
+def same_load(judged_at: float | None, now: float | None) -> bool:
+    if judged_at is None or now is None:
+        return False
+    return abs(now - judged_at) <= SAME_LOAD * max(judged_at, now, 1.0)
+
+
+def settings_from_status(status: dict | None) -> EngineSettings | None:
+    """The settings the tuner keeps in force on every replica, None before its first
+    decision (what new pods start with: resources.LoopState reads it)."""
+    return TunerState.from_status(status).settings
