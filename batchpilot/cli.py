@@ -10,6 +10,10 @@ SUBCOMMANDS = {
     "serve": ("batchpilot.server.api.cli", "serve the OpenAI-compatible API for one model"),
     "bench": ("batchpilot.server.bench.cli", "offline, online and sweep benchmarks"),
     "operator": ("batchpilot.operator.cli", "run the Kubernetes operator or print its CRDs"),
+    "activator": (
+        "batchpilot.operator.activator_cli",
+        "hold requests of services scaled to zero until a replica is Ready",
+    ),
 }
 
 
@@ -22,7 +26,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         description="Continuous-batching LLM server and the Kubernetes operator that tunes it.",
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,bench,operator}")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
     chosen = next((a for a in argv if a in SUBCOMMANDS), None)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
