@@ -68,6 +68,8 @@ SWAPS_IN = "batchpilot:swaps_in_total"
 MAX_NUM_SEQS_METRIC = "batchpilot:max_num_seqs"
 MAX_NUM_BATCHED_TOKENS_METRIC = "batchpilot:max_num_batched_tokens"
 KV_CACHE_INFO = "batchpilot:kv_cache_info"
+# vLLM's cache-config info family; GIE's endpoint picker reads block_size and num_gpu_blocks.
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
 BATCH_SIZE = "batchpilot:batch_size"
 
 ALL_METRICS = (
@@ -89,5 +91,6 @@ ALL_METRICS = (
     MAX_NUM_SEQS_METRIC,
     MAX_NUM_BATCHED_TOKENS_METRIC,
     KV_CACHE_INFO,
+    CACHE_CONFIG_INFO,
     BATCH_SIZE,
 )

@@ -44,6 +44,11 @@ class OperatorConfig(BaseSettings):
     """The key every service's admin token is derived from (HMAC of the key and the
     object's namespace, name and uid). Environment only (BATCHPILOT_ADMIN_KEY, from a
     Secret: the chart's), never a flag. Unset: a random key per process."""
+    activator_service: str | None = Field(None, pattern=r"^[a-z0-9-]+/[a-z0-9-]+$")
+    """<namespace>/<name> of the activator's Service (the chart's). An InferenceService
+    with autoscaling.minReplicas 0 routes its Service there while no replica is Ready (at
+    zero, and while the first one starts): requests are held, not refused. Unset: a
+    service at zero refuses connections until it is scaled up."""
     liveness: str | None = None
     """Serve /healthz (liveness) and /metrics (the operator's own metrics) at this URL's
     host and port, e.g. http://0.0.0.0:8080/healthz."""

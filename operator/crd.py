@@ -262,8 +262,14 @@ class AutoscalingSpec(_Camel):
     mode: Literal["builtin", "hpa", "keda"] = "builtin"
     """Who scales: the operator's own loop, an HPA on the external metric
     vllm:num_requests_waiting (needs an external metrics adapter), or KEDA."""
-    min_replicas: int = Field(1, ge=1, le=1000)
+    min_replicas: int = Field(1, ge=0, le=1000)
+    """0 scales an idle service to zero (modes builtin and keda): in builtin mode after
+    scaleToZeroAfterSeconds without a request, with the activator holding the requests
+    that arrive at zero; in keda mode by KEDA's own activation."""
     max_replicas: int = Field(4, ge=1, le=1000)
+    scale_to_zero_after_seconds: int = Field(300, ge=60, le=86400)
+    """With minReplicas 0 in builtin mode: how long no replica may run, queue or generate
+    anything before the service scales to zero."""
     target_queue_length: float = Field(4.0, gt=0, le=100_000)
     """Waiting requests per replica to aim for."""
     scale_up_stabilization_seconds: int = Field(30, ge=0, le=3600)
@@ -275,6 +281,12 @@ class AutoscalingSpec(_Camel):
             cel="self.minReplicas <= self.maxReplicas",
             message="autoscaling.minReplicas must be <= autoscaling.maxReplicas",
             check=lambda a: a.min_replicas <= a.max_replicas,
+        ),
+        Rule(
+            cel="self.minReplicas > 0 || self.mode != 'hpa'",
+            message="autoscaling.minReplicas 0 needs mode builtin or keda (an HPA cannot "
+            "scale to zero)",
+            check=lambda a: a.min_replicas > 0 or a.mode != "hpa",
         ),
         Rule(
             cel="self.mode != 'keda' || has(self.keda.serverAddress)",
@@ -348,6 +360,37 @@ class SLOSpec(_Camel):
     inter_token_latency_seconds: float | None = Field(None, gt=0, le=60)
     """Time between two output tokens a request should see, at most. Default:
     tuning.targetInterTokenLatencySeconds."""
+
+
+class EndpointPickerSpec(_Camel):
+    """The Gateway API Inference Extension endpoint picker (EPP) that routes for the pool: a
+    Service the user runs (GIE's own EPP or another implementation of its protocol)."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    """The EPP's Service, in the InferenceService's namespace."""
+    port: int = Field(9002, ge=1, le=65535)
+    """The Service's port for the ext-proc gRPC stream (GIE's default 9002)."""
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+    """What the gateway does when the EPP does not answer: FailClose refuses the request,
+    FailOpen sends it to any pod of the pool."""
+
+
+class RoutingSpec(_Camel):
+    """How traffic reaches the server pods besides their Service."""
+
+    inference_pool: bool = False
+    """Emit an InferencePool (inference.networking.k8s.io/v1) named after the service that
+    selects its server pods on the serving port, for a Gateway API Inference Extension
+    gateway. Needs GIE's CRDs in the cluster and endpointPicker."""
+    endpoint_picker: EndpointPickerSpec | None = None
+
+    rules = (
+        Rule(
+            cel="!self.inferencePool || has(self.endpointPicker)",
+            message="routing.endpointPicker is required with routing.inferencePool",
+            check=lambda r: not r.inference_pool or r.endpoint_picker is not None,
+        ),
+    )
 
 
 class Toleration(_Camel):
@@ -470,6 +513,7 @@ class InferenceServiceSpec(_Camel):
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     slo: SLOSpec = Field(default_factory=SLOSpec)
     tuning: TuningSpec = Field(default_factory=TuningSpec)
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
     pod: PodSpec = Field(default_factory=PodSpec)
 
     rules = (

@@ -34,6 +34,7 @@ from batchpilot.operator.crd import (
     check_name,
     parse_spec,
 )
+from batchpilot.operator.idle import WAKE_ANNOTATION
 from batchpilot.operator.kube import (
     ApiException,
     Kube,
@@ -98,6 +99,9 @@ class Reconciler:
         # generation is compared (the server normalizes pod templates).
         self._desired: dict[tuple[str, str, str], dict] = {}
         self._applied_generation: dict[tuple[str, str], int] = {}
+        # Services that may go to zero, and whether their Service routes to the activator
+        # now: a Deployment event that crosses "no replica Ready" switches it.
+        self._to_activator: dict[tuple[str, str], bool] = {}
 
     @property
     def kube(self) -> Kube:
@@ -131,6 +135,7 @@ class Reconciler:
     def _forget(self, namespace: str, name: str) -> None:
         """Drop what is remembered about a deleted InferenceService's children."""
         self._applied_generation.pop((namespace, name), None)
+        self._to_activator.pop((namespace, name), None)
         for key in [k for k in self._desired if k[0] == namespace]:
             if _controller_owner(self._desired[key]) == (namespace, name):
                 del self._desired[key]
@@ -154,6 +159,7 @@ class Reconciler:
             deployment=deployment,
             problem=problem,
             url=url,
+            to_activator=self._to_activator.get((ns, name), False),
         )
         self._write_status(body, prev, new, problem, logger)
 
@@ -162,12 +168,14 @@ class Reconciler:
     ) -> tuple[dict | None, Problem | None]:
         """Write every child; (the live Deployment, None), or (None, the problem) when an
         object of a child's name is someone else's or the API server refuses them for good."""
+        activator = self._activator_route(owner, spec, prev)
         children = resources.build_children(
             owner,
             spec,
             image=spec.image or self.config.server_image,
             admin_token=self.admin_token(owner),
             loops=LoopState.from_status(prev),
+            activator=activator,
         )
         (secret,) = [c for c in children if c["kind"] == "Secret"]
         others = [c for c in children if c["kind"] != "Secret"]
@@ -187,7 +195,7 @@ class Reconciler:
             self._write(deployment, found["Deployment"], owner, logger, dry_run=True)
             self._create_secret(secret)
             written = {c["kind"]: self._write(c, found[c["kind"]], owner, logger) for c in others}
-            self._delete_stale(owner, spec)
+            self._delete_stale(owner, spec, to_activator=activator is not None)
         except ApiException as e:
             if e.status not in _PERMANENT_APPLY_STATUSES:
                 raise  # transient: kopf retries with backoff
@@ -195,9 +203,29 @@ class Reconciler:
             return None, Problem(reason, f"the API server rejected a child: {_api_message(e)}")
         for child in children:
             self._desired[(owner.namespace, child["kind"], child["metadata"]["name"])] = child
+        if resources.may_route_to_activator(spec) and self.config.activator_service:
+            self._to_activator[(owner.namespace, owner.name)] = activator is not None
+        else:
+            self._to_activator.pop((owner.namespace, owner.name), None)
         live = written["Deployment"]
         self._applied_generation[(owner.namespace, owner.name)] = live["metadata"]["generation"]
         return live, None
+
+    def _activator_route(
+        self, owner: Owner, spec: InferenceServiceSpec, prev: dict
+    ) -> resources.Activator | None:
+        """The activator, when the Service is to route there now; else None."""
+        if not (self.config.activator_service and resources.may_route_to_activator(spec)):
+            return None
+        dep = self.kube.read("apps/v1", "Deployment", owner.namespace, owner.name)
+        ready = ((dep or {}).get("status") or {}).get("readyReplicas") or 0
+        desired = resources.desired_replicas(spec, LoopState.from_status(prev))
+        ns, name = self.config.activator_service.split("/")
+        slices = self.kube.list(
+            *resources.ENDPOINT_SLICE_KIND, ns, f"{resources.SLICE_SERVICE_NAME}={name}"
+        )
+        activator = resources.activator_of(slices)
+        return activator if resources.routes_to_activator(spec, desired, ready, activator) else None
 
     def _apply_pinned(self, child: dict, found: dict, dry_run: bool) -> dict:
         pinned = {**child, "metadata": {**child["metadata"], **ownership.pin(found)}}
@@ -217,10 +245,10 @@ class Reconciler:
             if e.status != 409:
                 raise
 
-    def _delete_stale(self, owner: Owner, spec: InferenceServiceSpec) -> None:
-        """Delete the optional children the spec no longer asks for: only this object's own,
-        exactly as found (an object of that name made by someone else stays)."""
-        for api_version, kind in resources.stale_kinds(spec):
+    def _delete_stale(self, owner: Owner, spec: InferenceServiceSpec, *, to_activator: bool):
+        """Delete the optional children not asked for now: only this object's own, exactly
+        as found (an object of that name made by someone else stays)."""
+        for api_version, kind in resources.stale_kinds(spec, to_activator=to_activator):
             if not self.kube.serves(api_version, kind):
                 continue
             live = self.kube.read(api_version, kind, owner.namespace, owner.name)
@@ -298,6 +326,13 @@ class Reconciler:
                 f"spec.autoscaling.mode {spec.autoscaling.mode}: the API server serves no "
                 f"{kind[1]} ({kind[0]}); install it or choose another mode",
             )
+        if spec.routing.inference_pool and not self.kube.serves(*resources.INFERENCE_POOL_KIND):
+            api_version, kind = resources.INFERENCE_POOL_KIND
+            return spec, Problem(
+                status.INFERENCE_POOL_NOT_SERVED,
+                f"spec.routing.inferencePool: the API server serves no {kind} ({api_version}); "
+                "install the Gateway API Inference Extension's CRDs or turn it off",
+            )
         return spec, None
 
     def admin_token(self, owner: Owner) -> str:
@@ -355,6 +390,13 @@ class Reconciler:
                 logger.info("Deployment changed by someone else: restoring it")
                 self.reconcile_by_name(ns, name, logger)
                 return
+            routed = self._to_activator.get(owner)
+            none_ready = not (dep.get("status") or {}).get("readyReplicas")
+            if routed is not None and routed != none_ready:
+                # A first replica Ready (or the last one gone): the Service switches between
+                # the replicas and the activator.
+                self.reconcile_by_name(ns, name, logger)
+                return
             self._refresh_status(ns, name, dep)
 
     def _refresh_status(self, ns: str, name: str, dep: dict) -> None:
@@ -374,6 +416,7 @@ class Reconciler:
             deployment=dep,
             problem=status.kept_problem(prev, generation),
             url=prev.get("url"),
+            to_activator=self._to_activator.get((ns, name), False),
         )
         if any(prev.get(k) != v for k, v in new.items()):
             self.kube.patch_isvc_status(ns, name, new)
@@ -502,6 +545,13 @@ def _register_inference_services(
     )
     async def loop(body: kopf.Body, logger: Any, **_: Any) -> None:
         await timer.tick(plain(body), logger)
+
+    # The activator's wake request runs a loop turn at once, not at the next timer tick: a
+    # request is waiting on it.
+    @kopf.on.field(**isvc, id="wake", field=("metadata", "annotations", WAKE_ANNOTATION))
+    async def wake(body: kopf.Body, new: Any, logger: Any, **_: Any) -> None:
+        if new:
+            await timer.tick(plain(body), logger)
 
     # optional: no finalizer of its own (the timers' one is there anyway).
     @kopf.on.delete(**isvc, id="forget", optional=True)

@@ -158,6 +158,13 @@ class Kube:
             raise
         return True
 
+    def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list:
+        found = self._call(
+            "get", self.resource(api_version, kind), namespace=namespace,
+            label_selector=label_selector,
+        )  # fmt: skip
+        return found.get("items") or []
+
     def read_isvc(self, namespace: str, name: str) -> dict | None:
         return self.read(API_VERSION, KIND, namespace, name)
 

@@ -12,13 +12,16 @@ One arbiter decides tuning and scaling together, in that order:
   since the trial may remove the queue the scale-up answers; no scale-down while any change
   is on trial or for ``ENGINE_CHANGE_FREEZE_SECONDS`` after one, since the window it reads
   was measured under other settings; and its capacity figure is kept per settings.
+- With ``autoscaling.minReplicas: 0``, the idle law (idle.py) takes an idle service to zero
+  (never while a trial or the post-change freeze holds scale-downs) and wakes it when the
+  activator asks; at zero it alone decides, since the queue law has no replica to read.
 - Nothing is decided while the loop is blind: fewer than ``MIN_SCRAPED_SHARE`` of the
   Ready replicas answered their scrape. ``status.metrics.loopBlind`` says why (the
   reconcile turns it into the LoopBlind condition) and a LoopBlind Event is posted.
 
 Contract with the kopf side (loop_timer.py): it passes the parsed spec, the current
 ``status``, the Deployment's replica count, the engine settings in force and the admin
-token; it merges ``status_patch`` into status (keys ``metrics``, ``autoscaling``,
+token and the latest wake request (idle.WAKE_ANNOTATION); it merges ``status_patch`` into status (keys ``metrics``, ``autoscaling``,
 ``tuning``) and posts ``events``. This loop puts live settings (max_num_seqs,
 max_num_batched_tokens) in force on every replica itself, through /admin/config: the
 canary's on the canary, the kept ones on the others, and repairs any replica found running
@@ -40,6 +43,7 @@ from batchpilot.operator.autoscale import (
     decide_replicas,
 )
 from batchpilot.operator.crd import InferenceServiceSpec
+from batchpilot.operator.idle import IdleState, decide_idle
 from batchpilot.operator.observe import MetricsSource, Observer, RoundResult, Window
 from batchpilot.operator.tune import TuneLimits, View, decide_tuning
 from batchpilot.operator.tuner_state import (
@@ -158,6 +162,30 @@ def hold_scale_down(
 # --------------------------------------------------------------------------- the arbiter
 
 
+def idle_state(status: dict) -> IdleState:
+    autoscaling = status.get("autoscaling") or {}
+    return IdleState(
+        _maybe_time(autoscaling.get("lastActiveTime")),
+        _maybe_time(autoscaling.get("scaledToZeroTime")),
+    )
+
+
+def idle_status(state: IdleState) -> dict:
+    """Merge-patched: None removes scaledToZeroTime once the service is back."""
+    return {
+        "lastActiveTime": timestamp(state.last_active) if state.last_active else None,
+        "scaledToZeroTime": timestamp(state.zero_since) if state.zero_since else None,
+    }
+
+
+def scale_event(before: int, after: int) -> str:
+    if after == 0:
+        return "ScaledToZero"
+    if before == 0:
+        return "WokenFromZero"
+    return "ScaledUp" if after > before else "ScaledDown"
+
+
 def blindness(listed: int, scrape_round: RoundResult) -> str | None:
     """Why the loop cannot see enough to decide, or None."""
     if listed == 0 or scrape_round.scraped >= MIN_SCRAPED_SHARE * listed:
@@ -233,6 +261,7 @@ class ClosedLoop:
         replicas: int,
         settings: EngineSettings,
         admin_token: str,
+        wake_at: float | None = None,
     ) -> LoopOutcome:
         key = f"{namespace}/{name}"
         scrapes = await self.source.scrape(namespace, name)
@@ -252,7 +281,7 @@ class ClosedLoop:
         if spec.tuning.enabled:
             tuner = self._tune(outcome, key, spec, tuner, settings, now)
         if spec.autoscaling.enabled:
-            self._autoscale(outcome, window, spec, status, replicas, now, tuner)
+            self._autoscale(outcome, window, spec, status, replicas, now, tuner, wake_at)
         if spec.tuning.enabled and outcome.blind is None:
             answered = {
                 s.url: s.admin_url
@@ -316,32 +345,43 @@ class ClosedLoop:
         replicas: int,
         now: float,
         tuner: TunerState,
+        wake_at: float | None,
     ) -> None:
         if outcome.blind is not None:
             outcome.desired_replicas = replicas
             return  # status.autoscaling keeps the last decision; metrics.loopBlind says why
-        settings = tuner.settings.key if tuner.settings else ""
-        decision = decide_replicas(
-            window, spec.autoscaling, replicas, now, scale_history(status), settings
-        )
+        a = spec.autoscaling
+        all_scraped = not outcome.scrape_failures
+        idle = decide_idle(a, replicas, window, all_scraped, idle_state(status), wake_at, now)
         held = None
-        if decision.recommendation < replicas and outcome.scrape_failures:
-            decision, held = hold_scale_down(decision, replicas, outcome.scrape_failures, now)
-        if spec.tuning.enabled:
-            decision = arbitrate(
-                decision, replicas, tuner, window, spec.autoscaling.target_queue_length, now
-            )
+        if replicas == 0 and a.min_replicas == 0:
+            # At zero the idle law alone decides: the queue law has no replica to read, and
+            # samples left from the last one would read as demand.
+            zero = 0 if idle.replicas is None else idle.replicas
+            decision = ScaleDecision(zero, idle.reason, zero, scale_history(status))
+        else:
+            settings = tuner.settings.key if tuner.settings else ""
+            decision = decide_replicas(window, a, replicas, now, scale_history(status), settings)
+            if idle.replicas == 0:
+                decision = replace(decision, replicas=0, reason=idle.reason)
+            if decision.recommendation < replicas and outcome.scrape_failures:
+                decision, held = hold_scale_down(decision, replicas, outcome.scrape_failures, now)
+            if spec.tuning.enabled:
+                decision = arbitrate(decision, replicas, tuner, window, a.target_queue_length, now)
         outcome.desired_replicas = decision.replicas
-        outcome.status_patch["autoscaling"] = autoscaling_status(decision, now)
+        state = idle.state
+        if decision.replicas > 0 and state.zero_since is not None:
+            state = replace(state, zero_since=None)  # the zero was held (a trial, a freeze)
+        outcome.status_patch["autoscaling"] = autoscaling_status(decision, now) | idle_status(state)
         # The status is merge-patched: None removes a hold that is over.
         outcome.status_patch["autoscaling"]["scaleDownHeld"] = held
         if held is not None and not (status.get("autoscaling") or {}).get("scaleDownHeld"):
             outcome.events.append(("ScaleDownHeld", decision.reason))
         if decision.replicas != replicas:
-            reason = "ScaledUp" if decision.replicas > replicas else "ScaledDown"
             outcome.events.append(
-                (reason, f"replicas {replicas} -> {decision.replicas}: {decision.reason}")
-            )
+                (scale_event(replicas, decision.replicas), f"replicas {replicas} -> "
+                 f"{decision.replicas}: {decision.reason}")
+            )  # fmt: skip
 
     async def _apply(
         self,

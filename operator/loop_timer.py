@@ -22,11 +22,12 @@ from batchpilot.operator import probes, resources
 from batchpilot.operator.admin_client import AdminClient
 from batchpilot.operator.config import OperatorConfig
 from batchpilot.operator.crd import InferenceServiceSpec, SpecError, parse_spec
+from batchpilot.operator.idle import WAKE_ANNOTATION
 from batchpilot.operator.kube import post_event
 from batchpilot.operator.loop import ClosedLoop, LoopOutcome
 from batchpilot.operator.observe import MetricsSource, PodMetricsSource, UrlMetricsSource
 from batchpilot.operator.resources import LoopState, Owner
-from batchpilot.operator.tuner_state import EngineSettings
+from batchpilot.operator.tuner_state import EngineSettings, parse_timestamp
 
 if TYPE_CHECKING:
     from batchpilot.operator.handlers import Reconciler
@@ -65,6 +66,15 @@ def settings_in_force(deployment: dict, spec: InferenceServiceSpec, status: dict
     )
 
 
+def wake_requested_at(body: dict) -> float | None:
+    """The activator's latest wake request on the object, if any (a bad value is none)."""
+    value = ((body.get("metadata") or {}).get("annotations") or {}).get(WAKE_ANNOTATION)
+    try:
+        return parse_timestamp(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+
+
 def count(namespace: str, name: str, outcome: LoopOutcome, replicas: int) -> None:
     probes.LOOP_ROUNDS.labels(namespace, name).inc()
     probes.LOOP_BLIND.labels(namespace, name).set(1 if outcome.blind else 0)
@@ -91,6 +101,8 @@ class LoopTimer:
         self.config = config
         self.rec = reconciler
         self._loop = loop
+        # A wake request runs a turn at once, beside the timer's: one turn at a time each.
+        self._turns: dict[tuple[str, str], asyncio.Lock] = {}
 
     @property
     def loop(self) -> ClosedLoop:
@@ -107,10 +119,15 @@ class LoopTimer:
         """Drop a deleted service's metric samples."""
         if self._loop is not None:
             self._loop.forget(namespace, name)
+        self._turns.pop((namespace, name), None)
 
     async def tick(self, body: dict, logger: logging.Logger | logging.LoggerAdapter = log) -> None:
         meta = body["metadata"]
         ns, name = meta["namespace"], meta["name"]
+        async with self._turns.setdefault((ns, name), asyncio.Lock()):
+            await self._turn(body, ns, name, logger)
+
+    async def _turn(self, body: dict, ns: str, name: str, logger) -> None:
         try:
             spec = parse_spec(body.get("spec"))
         except SpecError:
@@ -130,6 +147,7 @@ class LoopTimer:
             replicas,
             settings_in_force(deployment, spec, status),
             self.rec.admin_token(owner),
+            wake_requested_at(body),
         )
         count(ns, name, outcome, replicas)
         if outcome.status_patch:

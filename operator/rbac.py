@@ -31,6 +31,13 @@ RULES: list[dict] = [
     {"apiGroups": ["autoscaling"], "resources": ["horizontalpodautoscalers"],
      "verbs": [*CHILD_VERBS, "delete"]},
     {"apiGroups": ["keda.sh"], "resources": ["scaledobjects"], "verbs": [*CHILD_VERBS, "delete"]},
+    # The InferencePool the spec may ask for (Gateway API Inference Extension).
+    {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
+     "verbs": [*CHILD_VERBS, "delete"]},
+    # Scale to zero: a Service at zero routes to the activator through an EndpointSlice of
+    # the operator's (its own only, checked by uid), made from the activator Service's.
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+     "verbs": [*CHILD_VERBS, "delete"]},
     # The closed loop scrapes the Ready pods of each service.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
     # Checked before building: the model's claim and the pods' ServiceAccount exist.

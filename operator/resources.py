@@ -75,6 +75,12 @@ KEDA_API_VERSION = "keda.sh/v1alpha1"
 # service. The reconcile deletes those the spec no longer asks for.
 HPA_KIND = ("autoscaling/v2", "HorizontalPodAutoscaler")
 SCALED_OBJECT_KIND = (KEDA_API_VERSION, "ScaledObject")
+INFERENCE_POOL_KIND = ("inference.networking.k8s.io/v1", "InferencePool")
+ENDPOINT_SLICE_KIND = ("discovery.k8s.io/v1", "EndpointSlice")
+# The EndpointSlice controller manages the slices of Services with a selector; a Service
+# without one (routed to the activator) gets ours, marked so that controller leaves it.
+SLICE_MANAGED_BY = "endpointslice.kubernetes.io/managed-by"
+SLICE_SERVICE_NAME = "kubernetes.io/service-name"
 
 
 @dataclass(frozen=True)
@@ -374,14 +380,59 @@ def build_config_map(owner: Owner, spec: InferenceServiceSpec, engine: EngineSpe
     }
 
 
-def build_service(owner: Owner) -> dict:
+@dataclass(frozen=True)
+class Activator:
+    """Where the activator listens: its Ready pods' addresses and their port."""
+
+    addresses: tuple[str, ...]
+    port: int
+
+
+def activator_of(slices: list[dict]) -> Activator | None:
+    """The activator from its Service's EndpointSlices (Ready endpoints, the port named
+    http); None when no slice names that port yet."""
+    port = next(
+        (p["port"] for s in slices for p in s.get("ports") or [] if p.get("name") == PORT_NAME),
+        None,
+    )
+    if port is None:
+        return None
+    addresses = sorted(
+        {
+            a
+            for s in slices
+            for e in s.get("endpoints") or []
+            if (e.get("conditions") or {}).get("ready", True)
+            for a in e.get("addresses") or []
+        }
+    )
+    return Activator(tuple(addresses), port)
+
+
+def may_route_to_activator(spec: InferenceServiceSpec) -> bool:
+    """A service the built-in autoscaler may take to zero."""
+    return spec.autoscaling.builtin and spec.autoscaling.min_replicas == 0
+
+
+def routes_to_activator(
+    spec: InferenceServiceSpec, desired: int, ready: int, activator: Activator | None
+) -> bool:
+    """Does the Service send its traffic to the activator? Only for a service that may go
+    to zero, while none of its replicas is Ready: at zero, and while the first one starts."""
+    return activator is not None and may_route_to_activator(spec) and (desired == 0 or ready == 0)
+
+
+def build_service(owner: Owner, *, to_activator: bool = False) -> dict:
+    """Without a selector when it routes to the activator: its endpoints are then the
+    activator's, in the EndpointSlice the operator writes (build_activator_slice)."""
+    selector = {} if to_activator else {"selector": selector_labels(owner.name)}
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(owner, owner.name, scrape_annotations()),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(owner.name),
+            **selector,
             "ports": [
                 {
                     "name": PORT_NAME,
@@ -392,6 +443,27 @@ def build_service(owner: Owner) -> dict:
                 }
             ],
         },
+    }
+
+
+def build_activator_slice(owner: Owner, activator: Activator) -> dict:
+    """The Service's endpoints while it routes to the activator: the activator's pods, on
+    the activator's port, under the Service's port name."""
+    meta = _metadata(owner, owner.name)
+    meta["labels"] = {
+        **meta["labels"],
+        SLICE_SERVICE_NAME: owner.name,
+        SLICE_MANAGED_BY: MANAGED_BY,
+    }
+    return {
+        "apiVersion": ENDPOINT_SLICE_KIND[0],
+        "kind": ENDPOINT_SLICE_KIND[1],
+        "metadata": meta,
+        "addressType": "IPv4",
+        "endpoints": [
+            {"addresses": [a], "conditions": {"ready": True}} for a in activator.addresses
+        ],
+        "ports": [{"name": PORT_NAME, "port": activator.port, "protocol": "TCP"}],
     }
 
 
@@ -681,10 +753,50 @@ def autoscaler_children(owner: Owner, spec: InferenceServiceSpec) -> list[dict]:
     return [build_hpa(owner, spec) if kind == HPA_KIND else build_scaled_object(owner, spec)]
 
 
-def stale_kinds(spec: InferenceServiceSpec) -> list[tuple[str, str]]:
-    """(apiVersion, kind) of optional children the spec does not ask for: any left from an
-    earlier spec are deleted."""
-    return [k for k in (HPA_KIND, SCALED_OBJECT_KIND) if k != autoscaler_kind(spec)]
+def build_inference_pool(owner: Owner, spec: InferenceServiceSpec) -> dict:
+    """A Gateway API Inference Extension InferencePool over the server pods: the gateway
+    asks the endpoint picker which pod of the pool takes each request, and the picker reads
+    each pod's vLLM queue and KV-cache metrics on the serving port."""
+    epp = spec.routing.endpoint_picker
+    assert epp is not None  # RoutingSpec's rule
+    return {
+        "apiVersion": INFERENCE_POOL_KIND[0],
+        "kind": INFERENCE_POOL_KIND[1],
+        "metadata": _metadata(owner, owner.name),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            "targetPorts": [{"number": PORT}],
+            "appProtocol": "http",
+            "endpointPickerRef": {
+                "kind": "Service",
+                "name": epp.name,
+                "port": {"number": epp.port},
+                "failureMode": epp.failure_mode,
+            },
+        },
+    }
+
+
+def optional_kinds(spec: InferenceServiceSpec) -> list[tuple[str, str]]:
+    """(apiVersion, kind) of the children beyond the core ones that the spec asks for: CRDs
+    the cluster may not serve."""
+    kinds = [autoscaler_kind(spec)]
+    if spec.routing.inference_pool:
+        kinds.append(INFERENCE_POOL_KIND)
+    return [k for k in kinds if k is not None]
+
+
+def optional_children(owner: Owner, spec: InferenceServiceSpec) -> list[dict]:
+    pool = [build_inference_pool(owner, spec)] if spec.routing.inference_pool else []
+    return [*autoscaler_children(owner, spec), *pool]
+
+
+def stale_kinds(spec: InferenceServiceSpec, *, to_activator: bool = False) -> list[tuple[str, str]]:
+    """(apiVersion, kind) of optional children not asked for now: any left from an earlier
+    spec (or, for the activator's EndpointSlice, from the time at zero) are deleted."""
+    wanted = [*optional_kinds(spec), *([ENDPOINT_SLICE_KIND] if to_activator else [])]
+    optional = (HPA_KIND, SCALED_OBJECT_KIND, INFERENCE_POOL_KIND, ENDPOINT_SLICE_KIND)
+    return [k for k in optional if k not in wanted]
 
 
 def build_children(
@@ -694,15 +806,19 @@ def build_children(
     image: str,
     admin_token: str,
     loops: LoopState = LoopState(),
+    activator: Activator | None = None,
 ) -> list[dict]:
     """Every child, in apply order: what the Deployment reads (Secret, ConfigMap) before it,
-    what scales it after it."""
+    what scales or routes to it after it. ``activator``: given only while the Service
+    routes there (routes_to_activator)."""
     engine = effective_engine(spec, loops)
+    slice_ = [build_activator_slice(owner, activator)] if activator else []
     return [
         build_secret(owner, admin_token),
         build_config_map(owner, spec, engine),
-        build_service(owner),
+        *slice_,
+        build_service(owner, to_activator=activator is not None),
         build_pdb(owner),
         build_deployment(owner, spec, image=image, admin_token=admin_token, loops=loops),
-        *autoscaler_children(owner, spec),
+        *optional_children(owner, spec),
     ]

@@ -32,6 +32,7 @@ SERVICE_ACCOUNT_NOT_ALLOWED = "ServiceAccountNotAllowed"  # not labelled for Inf
 NAME_CONFLICT = "NameConflict"
 APPLY_FAILED = "ApplyFailed"  # the API server refused the children (RBAC, a bad request)
 AUTOSCALER_NOT_SERVED = "AutoscalerNotServed"  # mode keda without KEDA's CRDs
+INFERENCE_POOL_NOT_SERVED = "InferencePoolNotServed"  # routing.inferencePool without GIE's CRDs
 SPEC_REASONS = frozenset(
     [
         INVALID_SPEC,
@@ -41,6 +42,7 @@ SPEC_REASONS = frozenset(
         NAME_CONFLICT,
         APPLY_FAILED,
         AUTOSCALER_NOT_SERVED,
+        INFERENCE_POOL_NOT_SERVED,
     ]
 )
 
@@ -148,7 +150,9 @@ def _condition(
 # the spec problem the operator found (None: none).
 
 
-def ready(d: DeploymentView | None, problem: Problem | None) -> tuple[bool, str, str]:
+def ready(
+    d: DeploymentView | None, problem: Problem | None, to_activator: bool = False
+) -> tuple[bool, str, str]:
     if d is None:
         detail = f": {problem.message}" if problem else ""
         return (
@@ -157,6 +161,8 @@ def ready(d: DeploymentView | None, problem: Problem | None) -> tuple[bool, str,
             "no serving Deployment" + detail,
         )
     if d.desired == 0:
+        if to_activator:
+            return True, "ScaledToZero", "0 replicas: the activator holds requests and wakes it"
         return False, "ScaledToZero", "0 replicas requested"
     message = f"{d.ready}/{d.desired} replicas ready"
     if d.ready >= d.desired:
@@ -190,7 +196,7 @@ def degraded(d: DeploymentView | None, problem: Problem | None) -> tuple[bool, s
     return False, "AsExpected", ""
 
 
-CONDITIONS = ((READY, ready), (PROGRESSING, progressing), (DEGRADED, degraded))
+CONDITIONS = ((PROGRESSING, progressing), (DEGRADED, degraded))  # after Ready
 
 
 def loop_blind(prev: dict | None) -> tuple[bool, str, str] | None:
@@ -214,6 +220,7 @@ def compute_status(
     problem: Problem | None,
     url: str | None,
     now: str | None = None,
+    to_activator: bool = False,
 ) -> dict:
     """The status to merge-patch. Fields owned by the loops (metrics, autoscaling, tuning)
     are left out, so a merge patch keeps them."""
@@ -226,7 +233,8 @@ def compute_status(
         "updatedReplicas": d.updated if d else 0,
         "selector": resources.selector_string(name),
         "conditions": [
-            _condition(prev, type_, *law(d, problem), generation, now) for type_, law in CONDITIONS
+            _condition(prev, READY, *ready(d, problem, to_activator), generation, now),
+            *(_condition(prev, t, *law(d, problem), generation, now) for t, law in CONDITIONS),
         ],
     }
     blind = loop_blind(prev)

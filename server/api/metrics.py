@@ -91,6 +91,17 @@ class EngineStatsCollector:
             info.add_metric([self._model_name, stats.kv_cache_dtype, str(stats.block_size),
                              str(stats.num_kv_blocks)], 1.0)  # fmt: skip
         yield info
+        # vLLM's shape: the cache config as labels, no model label. num_gpu_blocks is the
+        # device's KV blocks (CPU memory on a CPU server), as in vLLM's CPU backend.
+        config = GaugeMetricFamily(
+            names.CACHE_CONFIG_INFO,
+            "Information of the KV-cache config; the value is always 1.",
+            labels=["block_size", "cache_dtype", "num_gpu_blocks"],
+        )
+        if stats is not None:
+            config.add_metric([str(stats.block_size), stats.kv_cache_dtype,
+                               str(stats.num_kv_blocks)], 1.0)  # fmt: skip
+        yield config
 
 
 class ServerMetrics:

@@ -6,6 +6,7 @@
 #   etcd   <- go.etcd.io/etcd/server/v3 through the wrapper module tests/k8s/tools/etcd
 #   kwok   <- go install sigs.k8s.io/kwok/cmd/kwok@KWOK_VERSION
 #   helm   <- go install helm.sh/helm/v3/cmd/helm@HELM_VERSION
+#   GIE's InferencePool CRD <- go mod download sigs.k8s.io/gateway-api-inference-extension@GIE_VERSION
 #
 # Output: ${BATCHPILOT_CACHE:-$HOME/.cache/batchpilot}/k8s/<K8S_VERSION>/bin/
 # The Go module and build caches live under the same cache root, so a fresh clone reuses them.
@@ -119,6 +120,21 @@ component kubernetes "$K8S_VERSION" "kube-apiserver kube-controller-manager kube
 component etcd "$ETCD_VERSION" "etcd" build_etcd
 component kwok "$KWOK_VERSION" "kwok" build_install "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
 component helm "$HELM_VERSION" "helm" build_install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+
+# Not a binary: the CRD file as the module ships it, under the cache's crds/ folder.
+GIE_CRD="$ROOT/crds/gie-$GIE_VERSION/inference.networking.k8s.io_inferencepools.yaml"
+fetch_gie_crd() {
+    local module="sigs.k8s.io/gateway-api-inference-extension@$GIE_VERSION"
+    go mod download "$module" || return 1
+    mkdir -p "$(dirname "$GIE_CRD")"
+    cp "$GOMODCACHE/$module/config/crd/bases/$(basename "$GIE_CRD")" "$GIE_CRD.tmp"
+    chmod u+w "$GIE_CRD.tmp" && mv -f "$GIE_CRD.tmp" "$GIE_CRD"
+}
+if [[ -f "$GIE_CRD" ]]; then
+    log "gie-crd $GIE_VERSION: present, skipping"
+elif ! run_logged gie-crd fetch_gie_crd; then
+    failed+=("gie-crd $GIE_VERSION")
+fi
 
 if ((${#failed[@]})); then
     log "ERROR: failed to build: ${failed[*]} (logs in $LOGS)"

@@ -84,6 +84,21 @@ def bin_dir() -> Path:
     return cache_root() / "k8s" / versions()["K8S_VERSION"] / "bin"
 
 
+def gie_crd() -> Path:
+    """The Gateway API Inference Extension's InferencePool CRD, as build.sh fetched it from
+    the module at GIE_VERSION."""
+    version = versions()["GIE_VERSION"]
+    path = (
+        bin_dir().parent
+        / "crds"
+        / f"gie-{version}"
+        / "inference.networking.k8s.io_inferencepools.yaml"
+    )
+    if not path.is_file():
+        raise BinariesMissing(f"GIE's InferencePool CRD missing: {path}; run `make k8s-bins`")
+    return path
+
+
 def find_binaries() -> dict[str, Path]:
     """Paths of all control-plane binaries; raises BinariesMissing naming the absent ones."""
     bdir = bin_dir()

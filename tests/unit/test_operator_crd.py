@@ -123,6 +123,7 @@ def test_defaults_expand_like_the_api_server():
         "mode": "builtin",
         "minReplicas": 1,
         "maxReplicas": 4,
+        "scaleToZeroAfterSeconds": 300,
         "targetQueueLength": 4.0,
         "scaleUpStabilizationSeconds": 30,
         "scaleDownStabilizationSeconds": 300,

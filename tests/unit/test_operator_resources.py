@@ -26,8 +26,12 @@ IMAGE = "registry.example/batchpilot-server:test"
 TOKEN = "s3cret-token"
 
 
-def children(spec: dict, loops: LoopState = LoopState(), token: str = TOKEN) -> list[dict]:
-    return r.build_children(OWNER, parse_spec(spec), image=IMAGE, admin_token=token, loops=loops)
+def children(
+    spec: dict, loops: LoopState = LoopState(), token: str = TOKEN, activator=None
+) -> list[dict]:
+    return r.build_children(
+        OWNER, parse_spec(spec), image=IMAGE, admin_token=token, loops=loops, activator=activator
+    )
 
 
 def example(name: str) -> dict:
@@ -35,7 +39,8 @@ def example(name: str) -> dict:
 
 
 def deployment(spec: dict, **kw) -> dict:
-    return children(spec, **kw)[-1]
+    (dep,) = [c for c in children(spec, **kw) if c["kind"] == "Deployment"]
+    return dep
 
 
 def container(dep: dict) -> dict:
@@ -676,9 +681,117 @@ def test_no_autoscaler_child_unless_asked():
     for autoscaling in ({**AUTOSCALING, "mode": "builtin"}, {"mode": "hpa"}):
         spec = parse_spec({"autoscaling": autoscaling})
         assert len(children({"autoscaling": autoscaling})) == 5
-        assert r.stale_kinds(spec) == [r.HPA_KIND, r.SCALED_OBJECT_KIND]
+        optional = [r.HPA_KIND, r.SCALED_OBJECT_KIND, r.INFERENCE_POOL_KIND, r.ENDPOINT_SLICE_KIND]
+        assert r.stale_kinds(spec) == optional
     spec = parse_spec({"autoscaling": {**AUTOSCALING, "mode": "hpa"}})
-    assert r.stale_kinds(spec) == [r.SCALED_OBJECT_KIND]
+    assert r.stale_kinds(spec) == [
+        r.SCALED_OBJECT_KIND,
+        r.INFERENCE_POOL_KIND,
+        r.ENDPOINT_SLICE_KIND,
+    ]
+
+
+ROUTING = {"inferencePool": True, "endpointPicker": {"name": "epp", "port": 9002}}
+
+
+def test_inference_pool_selects_the_server_pods_on_the_serving_port():
+    *_, pool = children({"routing": ROUTING})
+    assert (pool["apiVersion"], pool["kind"]) == r.INFERENCE_POOL_KIND
+    assert pool["metadata"]["name"] == "chat" and pool["metadata"]["namespace"] == "team-a"
+    assert pool["metadata"]["ownerReferences"] == [r.owner_reference(OWNER)]
+    # The Deployment's pods, exactly: the same selector as the Service.
+    pods = deployment({"routing": ROUTING})["spec"]["selector"]["matchLabels"]
+    assert pool["spec"]["selector"] == {"matchLabels": pods}
+    assert pool["spec"]["targetPorts"] == [{"number": names.DEFAULT_PORT}]
+    assert pool["spec"]["endpointPickerRef"] == {
+        "kind": "Service",
+        "name": "epp",
+        "port": {"number": 9002},
+        "failureMode": "FailClose",
+    }
+    # It is built after the Deployment, with the autoscaler, and is not stale while asked for.
+    spec = parse_spec({"routing": ROUTING})
+    assert r.optional_kinds(spec) == [r.INFERENCE_POOL_KIND]
+    assert r.INFERENCE_POOL_KIND not in r.stale_kinds(spec)
+
+
+def test_no_inference_pool_unless_asked():
+    for routing in ({}, {"inferencePool": False, "endpointPicker": {"name": "epp"}}):
+        spec = parse_spec({"routing": routing})
+        assert all(c["kind"] != "InferencePool" for c in children({"routing": routing}))
+        assert r.INFERENCE_POOL_KIND in r.stale_kinds(spec)
+    with pytest.raises(ValueError, match=r"routing\.endpointPicker is required"):
+        parse_spec({"routing": {"inferencePool": True}})
+
+
+ZERO = {"autoscaling": {"enabled": True, "minReplicas": 0}}
+ACTIVATOR = r.Activator(("10.244.0.10", "10.244.0.9"), 8080)  # sorted as text
+
+
+def activator_slices(port_name: str = "http") -> list[dict]:
+    """The activator Service's EndpointSlices as the EndpointSlice controller writes them."""
+    endpoint = {"addresses": ["10.244.0.10"], "conditions": {"ready": True}}
+    return [
+        {
+            "endpoints": [
+                endpoint,
+                {"addresses": ["10.244.0.9"], "conditions": {"ready": True}},
+                {"addresses": ["10.244.0.11"], "conditions": {"ready": False}},  # terminating
+            ],
+            "ports": [{"name": port_name, "port": 8080, "protocol": "TCP"}],
+        },
+        {"endpoints": [endpoint], "ports": [{"name": port_name, "port": 8080}]},
+    ]
+
+
+def test_activator_endpoints_are_its_ready_addresses_on_the_http_port():
+    assert r.activator_of(activator_slices()) == ACTIVATOR
+    assert r.activator_of(activator_slices("metrics")) is None  # no http port yet
+    assert r.activator_of([]) is None
+
+
+@pytest.mark.parametrize(
+    "spec, desired, ready, routed",
+    [
+        (ZERO, 0, 0, True),  # at zero
+        (ZERO, 1, 0, True),  # woken, the first replica still starting
+        (ZERO, 1, 1, False),  # a replica serves
+        (ZERO, 2, 1, False),
+        ({"autoscaling": {"enabled": True}}, 1, 0, False),  # minReplicas 1: never
+        ({"replicas": 0}, 0, 0, False),  # no autoscaling: a stopped service stays stopped
+        ({"autoscaling": {"enabled": True, "minReplicas": 0, "mode": "keda",
+                          "keda": {"serverAddress": "http://p:9090"}}}, 0, 0, False),
+    ],
+)  # fmt: skip
+def test_routes_to_the_activator_only_while_no_replica_of_a_zero_capable_service_is_ready(
+    spec, desired, ready, routed
+):
+    assert r.routes_to_activator(parse_spec(spec), desired, ready, ACTIVATOR) is routed
+    assert r.routes_to_activator(parse_spec(spec), desired, ready, None) is False
+
+
+def test_at_zero_the_service_has_no_selector_and_the_activators_endpoints():
+    built = children(ZERO, activator=ACTIVATOR)
+    kinds = [c["kind"] for c in built]
+    # The slice exists before the Service drops its selector: no moment without endpoints.
+    assert kinds.index("EndpointSlice") < kinds.index("Service")
+    (service,) = [c for c in built if c["kind"] == "Service"]
+    assert "selector" not in service["spec"]
+    assert service["spec"]["ports"][0]["name"] == "http"
+    (eps,) = [c for c in built if c["kind"] == "EndpointSlice"]
+    assert eps["metadata"]["name"] == "chat"
+    assert eps["metadata"]["labels"][r.SLICE_SERVICE_NAME] == "chat"
+    # Not the EndpointSlice controller's value: it would delete a slice it does not own.
+    assert eps["metadata"]["labels"][r.SLICE_MANAGED_BY] == r.MANAGED_BY
+    assert eps["metadata"]["ownerReferences"] == [r.owner_reference(OWNER)]
+    assert eps["ports"] == [{"name": "http", "port": 8080, "protocol": "TCP"}]
+    assert [e["addresses"] for e in eps["endpoints"]] == [["10.244.0.10"], ["10.244.0.9"]]
+    spec = parse_spec(ZERO)
+    assert r.ENDPOINT_SLICE_KIND not in r.stale_kinds(spec, to_activator=True)
+    # Back above zero: the selector again, and the slice is stale.
+    (service,) = [c for c in children(ZERO) if c["kind"] == "Service"]
+    assert service["spec"]["selector"] == r.selector_labels("chat")
+    assert r.ENDPOINT_SLICE_KIND in r.stale_kinds(spec)
 
 
 @pytest.mark.parametrize(
