@@ -54,6 +54,15 @@ RULES: list[dict] = [
 ]  # fmt: skip
 
 
+# The activator's (`batchpilot activator`, operator/activator_kube.py): it resolves a held
+# request's Host to an InferenceService, asks for a replica by annotating it (wake), and
+# forwards to the service's Ready pods. The chart binds these to its own ServiceAccount.
+ACTIVATOR_PERMISSIONS: list[dict] = [
+    {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "list", "patch"]},
+    {"apiGroups": [""], "resources": ["pods", "services"], "verbs": ["list"]},
+]  # fmt: skip
+
+
 def cluster_role(name: str = "batchpilot-operator") -> dict:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
