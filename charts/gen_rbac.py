@@ -1,12 +1,15 @@
 """Write charts/batchpilot/files/rbac-rules.yaml from operator/rbac.py (the one source of the
-operator's permissions). `make chart` runs it; tests/integration/test_chart.py fails when the
-file is stale and checks that the chart's rendered Roles grant exactly these rules.
+operator's permissions), and files/activator-rbac-rules.yaml from its ACTIVATOR_PERMISSIONS
+(the activator's, bound cluster-wide to the activator's own ServiceAccount). `make chart` runs
+it; tests/integration/test_chart.py fails when a file is stale and checks that the chart's
+rendered Roles grant exactly these rules.
 
 The chart binds the cluster-scoped resources with a ClusterRole and, in watchNamespaces mode,
 the namespaced ones with a Role per namespace, so each rule is split by scope here.
 Rules for optional features are written under `optional.<feature>`, and the chart grants
 them only when `autoscaling.<feature>.enabled`: the rules of RULES on an API group of
-OPTIONAL_GROUPS, and any module attribute <FEATURE>_RULES besides RULES.
+OPTIONAL_GROUPS, and any module attribute <FEATURE>_RULES besides RULES. The activator's
+list is named ACTIVATOR_PERMISSIONS, not *_RULES, so that it stays out of the operator's file.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import yaml
 
 from batchpilot.operator import rbac
 
-OUT = Path(__file__).resolve().parent / "batchpilot" / "files" / "rbac-rules.yaml"
+FILES = Path(__file__).resolve().parent / "batchpilot" / "files"
+OUT = FILES / "rbac-rules.yaml"
+ACTIVATOR_OUT = FILES / "activator-rbac-rules.yaml"
 
 # Cluster-scoped resources the operator may touch (everything else is namespaced).
 CLUSTER_SCOPED = {
@@ -82,7 +87,26 @@ def render() -> str:
     return header + yaml.safe_dump(document(), sort_keys=False, default_flow_style=None, width=100)
 
 
+def render_activator() -> str:
+    header = (
+        "# Generated from ACTIVATOR_PERMISSIONS in operator/rbac.py by charts/gen_rbac.py\n"
+        "# (`make chart`): do not edit. The activator's ClusterRole, bound cluster-wide.\n"
+    )
+    rules = json.loads(json.dumps(rbac.ACTIVATOR_PERMISSIONS))
+    return header + yaml.safe_dump(
+        {"rules": rules}, sort_keys=False, default_flow_style=None, width=100
+    )
+
+
+# Each generated file and the function that renders it.
+OUTPUTS = {OUT: render, ACTIVATOR_OUT: render_activator}
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--check"]:
-        sys.exit(0 if OUT.read_text() == render() else 1)
-    OUT.write_text(render())
+        stale = [p for p, make in OUTPUTS.items() if not p.exists() or p.read_text() != make()]
+        for path in stale:
+            print(f"stale: {path} (make chart)", file=sys.stderr)
+        sys.exit(1 if stale else 0)
+    for path, make in OUTPUTS.items():
+        path.write_text(make())

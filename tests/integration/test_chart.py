@@ -1,8 +1,9 @@
 """The Helm chart (charts/batchpilot): its sources stay in step with the package, it lints,
 every values file renders to manifests the API server accepts, and an install on the loopback
-control plane (kwok node) runs the operator with exactly operator/rbac.py's permissions.
+control plane (kwok node) runs the operator with exactly operator/rbac.py's permissions, and
+the activator with exactly its ACTIVATOR_PERMISSIONS.
 
-Static checks (version, CRDs, generated RBAC file) need nothing; the rest uses the `k8s`
+Static checks (version, CRDs, generated RBAC files) need nothing; the rest uses the `k8s`
 fixture (tier `cluster`) for its helm and kubectl binaries and API server.
 """
 
@@ -21,13 +22,17 @@ import pytest
 import yaml
 
 import batchpilot
-from batchpilot.operator import rbac
+from batchpilot.operator import rbac, resources
+from batchpilot.operator.config import OperatorConfig
 from batchpilot.operator.crd import GROUP, PLURAL, VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "batchpilot"
 VALUES_FILES = sorted((CHART / "ci").glob("*-values.yaml"))
 OPERATOR_SA_GROUPS = ["system:serviceaccounts", "system:authenticated"]
+# The names `render` gives (release bp, namespace batchpilot-system).
+FULLNAME = "bp-batchpilot"
+ACTIVATOR = f"{FULLNAME}-activator"
 
 
 def _gen_rbac():
@@ -76,6 +81,15 @@ def test_chart_rbac_file_is_generated_from_operator_rbac():
     for sets in doc["optional"].values():
         every += sets["cluster"] + sets["namespaced"]
     assert expand(every) == expand(rbac.RULES)
+    # The activator's permissions are not an optional feature of the operator.
+    assert "activator" not in doc["optional"]
+
+
+def test_chart_activator_rbac_file_is_generated_from_activator_permissions():
+    gen = _gen_rbac()
+    text = gen.ACTIVATOR_OUT.read_text()
+    assert text == gen.render_activator(), "stale files/activator-rbac-rules.yaml: run `make chart`"
+    assert yaml.safe_load(text)["rules"] == rbac.ACTIVATOR_PERMISSIONS
 
 
 def test_values_schema_is_valid_json_with_every_top_level_value():
@@ -100,6 +114,17 @@ def render(
 
 def by_kind(docs: list[dict], kind: str) -> list[dict]:
     return [d for d in docs if d["kind"] == kind]
+
+
+def named(docs: list[dict], kind: str, name: str = FULLNAME) -> dict:
+    """The one object of that kind and name (default: the operator's)."""
+    (doc,) = [d for d in by_kind(docs, kind) if d["metadata"]["name"] == name]
+    return doc
+
+
+def operator_env(docs: list[dict]) -> dict[str, dict]:
+    (c,) = named(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e for e in c["env"]}
 
 
 def test_helm_lint_strict(k8s):
@@ -151,7 +176,7 @@ def test_rendered_manifests_pass_server_side_validation(k8s, namespace, values):
 
 def test_deployment_hardening_and_args(k8s):
     docs = render(k8s)
-    (dep,) = by_kind(docs, "Deployment")
+    dep = named(docs, "Deployment")
     spec = dep["spec"]
     assert spec["strategy"]["type"] == "Recreate"
     pod = spec["template"]["spec"]
@@ -166,18 +191,19 @@ def test_deployment_hardening_and_args(k8s):
     assert "--all-namespaces" in c["args"] and "--standalone" in c["args"]
     assert "--loop-interval=15" in c["args"]
     docs = render(k8s, "--set", "watchNamespaces={a,b}", "--set", "serverImage.repository=s")
-    (c,) = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"]
+    (c,) = named(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert "--namespace=a" in c["args"] and "--namespace=b" in c["args"]
     assert f"--server-image=s:{batchpilot.__version__}" in c["args"]
     assert "--all-namespaces" not in c["args"]
 
 
 def test_operator_pod_meets_the_restricted_pod_security_standard(k8s):
-    """The operator's pod and the test hook's: what `restricted` checks (the install test
-    also runs it in a namespace that enforces it)."""
+    """The operator's pod, the activator's and the test hook's: what `restricted` checks (the
+    install test also runs them in a namespace that enforces it)."""
     docs = render(k8s)
     pods = [
-        by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"],
+        named(docs, "Deployment")["spec"]["template"]["spec"],
+        named(docs, "Deployment", ACTIVATOR)["spec"]["template"]["spec"],
         by_kind(docs, "Pod")[0]["spec"],
     ]
     for pod in pods:
@@ -199,15 +225,14 @@ def test_admin_key_secret_and_the_operators_environment(k8s):
     (secret,) = by_kind(docs, "Secret")
     assert secret["metadata"]["name"] == "bp-batchpilot-admin-key"
     assert len(base64.b64decode(secret["data"]["key"])) == 48
-    (c,) = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"]
+    (c,) = named(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e for e in c["env"]}
     ref = {"name": "bp-batchpilot-admin-key", "key": "key"}
     assert env["BATCHPILOT_ADMIN_KEY"]["valueFrom"] == {"secretKeyRef": ref}
     assert not any("admin-key" in a or "ADMIN_KEY" in a for a in c["args"])
     docs = render(k8s, "--set", "operator.adminKey.existingSecret=mine")
     assert not by_kind(docs, "Secret")
-    (c,) = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"]
-    env = {e["name"]: e for e in c["env"]}
+    env = operator_env(docs)
     assert env["BATCHPILOT_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "mine"
 
 
@@ -216,8 +241,7 @@ def test_network_policy_admits_the_admin_port_from_the_operator_only(k8s):
     docs = render(k8s, "--set", "networkPolicy.enabled=true", "--set", "watchNamespaces={a,b}")
     policies = by_kind(docs, "NetworkPolicy")
     assert sorted(p["metadata"]["namespace"] for p in policies) == ["a", "b"]
-    (dep,) = by_kind(docs, "Deployment")
-    operator_labels = dep["spec"]["selector"]["matchLabels"]
+    operator_labels = named(docs, "Deployment")["spec"]["selector"]["matchLabels"]
     for policy in policies:
         spec = policy["spec"]
         assert spec["podSelector"] == {
@@ -258,29 +282,160 @@ def test_rendered_rbac_is_exactly_operator_rbac(k8s):
     nothing = ["--set", "autoscaling.hpa.enabled=false", "--set", "autoscaling.keda.enabled=false"]
     # Every namespace, every feature: one ClusterRole with exactly rbac.RULES, no Roles.
     docs = render(k8s, *everything)
-    (cr,) = by_kind(docs, "ClusterRole")
+    cr = named(docs, "ClusterRole")
     assert expand(cr["rules"]) == expand(rbac.RULES)
     assert not by_kind(docs, "Role")
     # The defaults: HPA permissions (the API is always served), KEDA's only when enabled.
-    (cr,) = by_kind(render(k8s), "ClusterRole")
+    cr = named(render(k8s), "ClusterRole")
     assert expand(cr["rules"]) == expand(rbac.RULES) - optional_rules(gen, "keda")
-    (cr,) = by_kind(render(k8s, *nothing), "ClusterRole")
+    cr = named(render(k8s, *nothing), "ClusterRole")
     assert expand(cr["rules"]) == expand(rbac.RULES) - optional_rules(gen, "hpa", "keda")
     # Namespaced mode: cluster-scoped rules cluster-wide, the rest in each watched namespace.
     docs = render(k8s, "--set", "watchNamespaces={team-a,team-b}", *everything)
-    (cr,) = by_kind(docs, "ClusterRole")
-    roles = by_kind(docs, "Role")
+    cr = named(docs, "ClusterRole")
+    roles = [r for r in by_kind(docs, "Role") if r["metadata"]["name"] == FULLNAME]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     cluster_only = expand(gen.document()["rules"]["cluster"])
     assert expand(cr["rules"]) == cluster_only
     for role in roles:
         assert expand(role["rules"]) | cluster_only == expand(rbac.RULES)
         assert not expand(role["rules"]) & cluster_only
-    bindings = by_kind(docs, "RoleBinding")
+    bindings = [b for b in by_kind(docs, "RoleBinding") if b["metadata"]["name"] == FULLNAME]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     # RBAC apiGroups carry no version.
     for rule in cr["rules"] + roles[0]["rules"]:
         assert all("/" not in g for g in rule["apiGroups"]), rule
+
+
+def activator_objects(docs: list[dict]) -> dict[str, dict]:
+    """The activator's objects by kind: everything named <fullname>-activator."""
+    found = [d for d in docs if d["metadata"]["name"] == ACTIVATOR]
+    assert len({d["kind"] for d in found}) == len(found), [d["kind"] for d in found]
+    return {d["kind"]: d for d in found}
+
+
+def test_activator_renders_when_enabled_and_not_when_off(k8s):
+    docs = render(k8s)
+    objects = activator_objects(docs)
+    kinds = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service"}
+    assert set(objects) == kinds
+    for obj in objects.values():
+        labels = obj["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "batchpilot-activator"
+        assert labels["app.kubernetes.io/component"] == "activator"
+        assert labels["app.kubernetes.io/instance"] == "bp"
+        assert labels["app.kubernetes.io/part-of"] == "batchpilot"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+    dep, svc = objects["Deployment"], objects["Service"]
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    selector = dep["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= pod_labels.items()
+    assert svc["spec"]["selector"] == selector
+    # Neither the operator's Deployment nor the activator's selects the other's pods.
+    operator = named(docs, "Deployment")
+    operator_selector = operator["spec"]["selector"]["matchLabels"]
+    assert not operator_selector.items() <= pod_labels.items()
+    assert not selector.items() <= operator["spec"]["template"]["metadata"]["labels"].items()
+
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == ACTIVATOR
+    (c,) = pod["containers"]
+    assert c["image"] == f"ghcr.io/batchpilot/batchpilot-operator:{batchpilot.__version__}"
+    # The image's entrypoint is `batchpilot operator`: the activator replaces it.
+    assert c["command"] == ["batchpilot"]
+    assert c["args"] == [
+        "activator",
+        "--port=8000",
+        "--cluster-domain=cluster.local",
+        "--max-held-per-service=256",
+        "--hold-timeout-seconds=300",
+        "--max-body-bytes=4194304",
+    ]
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
+    assert c["resources"] == {
+        "requests": {"cpu": "50m", "memory": "128Mi"},
+        "limits": {"memory": "512Mi"},
+    }
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+    assert {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}} in pod["volumes"]
+    assert dep["spec"]["replicas"] == 1
+    assert svc["spec"]["type"] == "ClusterIP"
+    assert svc["spec"]["ports"] == [
+        {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}
+    ]
+    binding = objects["ClusterRoleBinding"]
+    assert binding["roleRef"]["name"] == ACTIVATOR
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": ACTIVATOR, "namespace": "batchpilot-system"}
+    ]
+
+    docs = render(
+        k8s,
+        "--set", "activator.port=9000",
+        "--set", "activator.replicas=2",
+        "--set", "activator.maxBodyBytes=16777216",
+        "--set-json", "activator.holdTimeoutSeconds=90.5",
+        "--set", "activator.extraArgs={--host=::}",
+        "--set", "operator.clusterDomain=example.internal",
+    )  # fmt: skip
+    objects = activator_objects(docs)
+    (c,) = objects["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert objects["Deployment"]["spec"]["replicas"] == 2
+    assert c["args"][1:] == [
+        "--port=9000",
+        "--cluster-domain=example.internal",
+        "--max-held-per-service=256",
+        "--hold-timeout-seconds=90.5",
+        "--max-body-bytes=16777216",
+        "--host=::",
+    ]
+    assert c["ports"][0]["containerPort"] == 9000
+    assert objects["Service"]["spec"]["ports"][0]["port"] == 9000
+
+    docs = render(k8s, "--set", "activator.enabled=false")
+    assert not activator_objects(docs)
+    assert not [d for d in docs if "activator" in d["metadata"]["name"]]
+    assert "BATCHPILOT_ACTIVATOR_SERVICE" not in operator_env(docs)
+
+
+def test_operator_is_pointed_at_the_activator_service(k8s):
+    docs = render(k8s)
+    env = operator_env(docs)["BATCHPILOT_ACTIVATOR_SERVICE"]
+    svc = named(docs, "Service", ACTIVATOR)
+    assert env == {
+        "name": "BATCHPILOT_ACTIVATOR_SERVICE",
+        "value": f"{svc['metadata']['namespace']}/{svc['metadata']['name']}",
+    }
+    assert env["value"] == f"batchpilot-system/{ACTIVATOR}"
+    # The operator accepts it, and finds the port it reads there by name.
+    assert OperatorConfig(activator_service=env["value"]).activator_service == env["value"]
+    assert svc["spec"]["ports"][0]["name"] == resources.PORT_NAME
+
+
+def test_activator_cluster_role_is_exactly_activator_permissions(k8s):
+    for args in ([], ["--set", "watchNamespaces={team-a,team-b}"]):
+        docs = render(k8s, *args)
+        cr = named(docs, "ClusterRole", ACTIVATOR)
+        assert cr["rules"] == rbac.ACTIVATOR_PERMISSIONS
+        assert expand(cr["rules"]) == expand(rbac.ACTIVATOR_PERMISSIONS)
+    # Namespaced mode: the operator may list the activator Service's EndpointSlices in the
+    # release namespace (no Role of its own there); nothing more, and nothing rbac.py lacks.
+    role = named(docs, "Role", f"{ACTIVATOR}-endpoints")
+    assert role["metadata"]["namespace"] == "batchpilot-system"
+    assert expand(role["rules"]) == {("discovery.k8s.io", "endpointslices", "list")}
+    assert expand(role["rules"]) <= expand(rbac.RULES)
+    binding = named(docs, "RoleBinding", f"{ACTIVATOR}-endpoints")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": FULLNAME, "namespace": "batchpilot-system"}
+    ]
+    # Not needed where the operator's permissions already cover the release namespace.
+    docs = render(k8s, "--set", "watchNamespaces={batchpilot-system,team-a}")
+    assert not [d for d in docs if d["metadata"]["name"] == f"{ACTIVATOR}-endpoints"]
+    docs = render(k8s, "--set", "rbac.create=false", "--set", "watchNamespaces={team-a}")
+    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "Role")
+    assert named(docs, "Deployment", ACTIVATOR)
 
 
 @pytest.mark.parametrize(
@@ -291,6 +446,10 @@ def test_rendered_rbac_is_exactly_operator_rbac(k8s):
         ("watchNamespaces={Not_A_Namespace}", "watchNamespaces"),
         ("operator.logFormat=xml", "logFormat"),
         ("unknownValue=1", "unknownValue"),
+        ("activator.port=80", "port"),
+        ("activator.maxHeldPerService=0", "maxHeldPerService"),
+        ("activator.holdTimeoutSeconds=0", "holdTimeoutSeconds"),
+        ("activator.maxBodyBytes=-1", "maxBodyBytes"),
     ],
 )
 def test_bad_values_fail_with_a_clear_message(k8s, flag, needle):
@@ -352,7 +511,7 @@ def leftovers(k8s, release: str, namespaces: list[str]) -> list[str]:
     for ns in namespaces:
         out = k8s.run_kubectl(
             "get",
-            "deployments,replicasets,pods,serviceaccounts,configmaps,roles,rolebindings",
+            "deployments,replicasets,pods,services,serviceaccounts,configmaps,roles,rolebindings",
             "-n",
             ns,
             "-l",
@@ -364,9 +523,58 @@ def leftovers(k8s, release: str, namespaces: list[str]) -> list[str]:
     return found
 
 
+def check_activator(k8s, namespace: str, fullname: str, watched: str, other: str) -> None:
+    """The installed activator: Available (admitted under the restricted standard), its
+    ServiceAccount may do exactly ACTIVATOR_PERMISSIONS, cluster-wide, and the operator finds
+    it where BATCHPILOT_ACTIVATOR_SERVICE says, with its own permissions."""
+    name = f"{fullname}-activator"
+    dep = json.loads(
+        k8s.run_kubectl("get", "deployment", name, "-n", namespace, "-o", "json").stdout
+    )
+    conds = {c["type"]: c["status"] for c in dep["status"].get("conditions", [])}
+    assert conds.get("Available") == "True", dep["status"]
+    user = f"system:serviceaccount:{namespace}:{name}"
+    for rule in rbac.ACTIVATOR_PERMISSIONS:
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                for verb in rule["verbs"]:
+                    for ns in ("", watched, other):
+                        assert sar(k8s, user, verb, res, group, ns), (user, verb, res, ns)
+    assert not sar(k8s, user, "watch", PLURAL, GROUP, watched)
+    assert not sar(k8s, user, "update", PLURAL, GROUP, watched)
+    assert not sar(k8s, user, "patch", PLURAL, GROUP, watched, sub="status")
+    assert not sar(k8s, user, "get", "pods", "", watched)
+    assert not sar(k8s, user, "create", "pods", "", watched)
+    assert not sar(k8s, user, "get", "secrets", "", namespace)
+    assert not sar(k8s, user, "list", "endpointslices", "discovery.k8s.io", namespace)
+    # The operator (watching another namespace) reads the activator's EndpointSlices.
+    operator = f"system:serviceaccount:{namespace}:{fullname}"
+    assert sar(k8s, operator, "list", "endpointslices", "discovery.k8s.io", namespace)
+    (c,) = json.loads(
+        k8s.run_kubectl("get", "deployment", fullname, "-n", namespace, "-o", "json").stdout
+    )["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    ns, svc = env["BATCHPILOT_ACTIVATOR_SERVICE"].split("/")
+    assert (ns, svc) == (namespace, name)
+
+    def found():
+        slices = json.loads(
+            k8s.run_kubectl(
+                "get", "endpointslices", "-n", ns, "-l",
+                f"{resources.SLICE_SERVICE_NAME}={svc}", "-o", "json",
+            ).stdout
+        )["items"]  # fmt: skip
+        activator = resources.activator_of(slices)
+        return activator if activator and activator.addresses else None
+
+    activator = wait_for("the activator's EndpointSlice", found, timeout=60)
+    assert activator.port == 8000 and len(activator.addresses) == 1, activator
+
+
 def test_install_rbac_and_uninstall(k8s, namespace):
     """helm install (namespaced mode, watching one other namespace) on the kwok node: the
-    operator Deployment becomes Available; its ServiceAccount may do exactly what it needs;
+    operator and activator Deployments become Available; their ServiceAccounts may do exactly
+    what they need;
     helm uninstall leaves nothing of the release behind (the CRD stays: Helm keeps crds/)."""
     watched = f"watched-{uuid.uuid4().hex[:6]}"
     other = f"other-{uuid.uuid4().hex[:6]}"
@@ -434,6 +642,7 @@ def test_install_rbac_and_uninstall(k8s, namespace):
         # An InferenceService in the watched namespace is visible to it.
         assert sar(k8s, user, "watch", PLURAL, GROUP, watched)
         assert VERSION
+        check_activator(k8s, namespace, fullname, watched, other)
     finally:
         helm(k8s, "uninstall", release, "--namespace", namespace, "--wait", check=False)
     wait_for(
