@@ -8,7 +8,6 @@ loop keeps serving while the API server answers.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import time
 
 from kubernetes import client
@@ -16,20 +15,15 @@ from kubernetes import client
 from batchpilot.operator import resources
 from batchpilot.operator.activator import is_ip
 from batchpilot.operator.crd import GROUP, PLURAL, VERSION
+from batchpilot.operator.idle import WAKE_ANNOTATION
 from batchpilot.operator.kube import TIMEOUT
 from batchpilot.operator.observe import ready_pod_urls
+from batchpilot.operator.tuner_state import timestamp
 
-# What the activator sets on an InferenceService that has requests waiting: the operator
-# scales a service at zero back up when this is newer than its last scale-down.
-ANN_WAKE_REQUESTED_AT = "batchpilot.dev/wake-requested-at"
 # resolve() answers are kept this long: a burst of requests for one bare host name or
 # ClusterIP costs one lookup. Unknown hosts are kept too, so that junk costs no more.
 RESOLVE_CACHE_SECONDS = 30.0
 RESOLVE_CACHE_ENTRIES = 1024
-
-
-def rfc3339_now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def at_zero(isvc: dict) -> bool:
@@ -59,7 +53,9 @@ class KubeTargets:
         return target
 
     async def wake(self, namespace: str, name: str) -> None:
-        patch = {"metadata": {"annotations": {ANN_WAKE_REQUESTED_AT: rfc3339_now()}}}
+        # Milliseconds, as status times: the operator wakes a service at zero for a request
+        # newer than its last activity (idle.py).
+        patch = {"metadata": {"annotations": {WAKE_ANNOTATION: timestamp(time.time())}}}
         await asyncio.to_thread(
             self.custom.patch_namespaced_custom_object,
             GROUP, VERSION, namespace, PLURAL, name, patch,

@@ -15,6 +15,7 @@ import yaml
 from k8s_cluster import gie_crd, versions  # tests/k8s/cluster.py, loaded by conftest.py
 from kubernetes import client
 from test_operator_cluster import Api, operator, wait_for
+from test_operator_loop_cluster import api  # noqa: F401 (the fixture: CRDs, $KUBECONFIG)
 
 from batchpilot.operator import resources
 
@@ -26,10 +27,10 @@ POOL_CRD = f"{POOL_PLURAL}.{POOL_GROUP}"
 ROUTING = {"inferencePool": True, "endpointPicker": {"name": "chat-epp", "port": 9002}}
 
 
-def pool(api: Api, name: str) -> dict | None:
+def pool(cluster: Api, name: str) -> dict | None:
     try:
-        return api.custom.get_namespaced_custom_object(
-            POOL_GROUP, POOL_VERSION, api.ns, POOL_PLURAL, name
+        return cluster.custom.get_namespaced_custom_object(
+            POOL_GROUP, POOL_VERSION, cluster.ns, POOL_PLURAL, name
         )
     except client.ApiException as e:
         if e.status == 404:
@@ -58,7 +59,7 @@ def install_gie(k8s) -> None:
     wait_for("InferencePool served", lambda: served(k8s), timeout=60)
 
 
-def test_the_crd_refuses_a_pool_without_an_endpoint_picker(api):
+def test_the_crd_refuses_a_pool_without_an_endpoint_picker(api):  # noqa: F811
     with pytest.raises(client.ApiException) as e:
         api.create("bad", {"routing": {"inferencePool": True}})
     assert e.value.status == 422, e.value.body
@@ -66,7 +67,7 @@ def test_the_crd_refuses_a_pool_without_an_endpoint_picker(api):
     assert "routing.endpointPicker is required with routing.inferencePool" in message, message
 
 
-def test_inference_pool_lifecycle(api, k8s, kubeconfig_env, no_gie):
+def test_inference_pool_lifecycle(api, k8s, no_gie):  # noqa: F811
     with operator(api):
         # Without GIE's CRD: Degraded, saying what to install; nothing else is built.
         api.create("chat", {"replicas": 2, "routing": ROUTING})
@@ -147,9 +148,9 @@ def test_inference_pool_lifecycle(api, k8s, kubeconfig_env, no_gie):
         wait_for("chat's InferencePool collected", lambda: pool(api, "chat") is None, timeout=180)
 
 
-def _exists(api: Api, name: str) -> bool:
+def _exists(cluster: Api, name: str) -> bool:
     try:
-        api.get(name)
+        cluster.get(name)
     except client.ApiException as e:
         if e.status == 404:
             return False

@@ -70,7 +70,11 @@ def start(server: ServerProcess, api: Api, name: str) -> ServerProcess:
 
 @contextlib.contextmanager
 def operator(
-    api: Api, servers: list[ServerProcess], liveness: str | None = None, urls: list[str] = ()
+    api: Api,
+    servers: list[ServerProcess],
+    liveness: str | None = None,
+    urls: list[str] = (),
+    activator_service: str | None = None,
 ) -> Iterator[None]:
     config = OperatorConfig(
         server_image=IMAGE,
@@ -80,6 +84,7 @@ def operator(
         admin_urls=[s.admin_url for s in servers],
         admin_key=ADMIN_KEY,
         liveness=liveness,
+        activator_service=activator_service,
     )
     args = ["run", "--standalone", "--verbose", "-n", api.ns]
     with KopfRunner(args, registry=make_registry(config), timeout=60) as runner:

@@ -1,0 +1,166 @@
+"""Scale to zero through the real control plane: an idle service goes to zero, its Service
+switches to the activator (no selector; an EndpointSlice of the operator's with the
+activator's addresses), a wake request brings a replica back, and once it is Ready the
+Service selects the replicas again and the activator's slice is gone. Then the activator's
+own Kubernetes adapter (activator_kube.KubeTargets) against the same API server.
+
+As in test_operator_loop_cluster.py, kwok's pods serve nothing, so the loop reads a real
+idle `batchpilot serve` on 127.0.0.1 (OperatorConfig.metrics_urls). The activator is
+represented by its Service and the EndpointSlice the EndpointSlice controller would write
+for the chart's activator pods; its data path is tested in test_activator.py and in kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from kubernetes import client
+from test_operator_cluster import Api, wait_for
+from test_operator_loop_cluster import api, operator, server, start, tiny_path  # noqa: F401 (fixtures)
+
+from batchpilot.operator import resources
+from batchpilot.operator.activator_kube import KubeTargets
+from batchpilot.operator.idle import WAKE_ANNOTATION
+from batchpilot.operator.tuner_state import parse_timestamp, timestamp
+
+pytestmark = pytest.mark.cluster
+
+ACTIVATOR = "activator"
+ACTIVATOR_IP, ACTIVATOR_PORT = "10.244.7.7", 8080
+SPEC = {
+    "replicas": 1,
+    "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2,
+                    "scaleToZeroAfterSeconds": 60},
+}  # fmt: skip
+
+
+def activator_endpoints(cluster: Api) -> None:
+    """The chart's activator Service, with the slice the EndpointSlice controller would
+    write for one Ready activator pod."""
+    cluster.core.create_namespaced_service(
+        cluster.ns,
+        {
+            "metadata": {"name": ACTIVATOR},
+            "spec": {"ports": [{"name": "http", "port": 8000, "targetPort": ACTIVATOR_PORT}]},
+        },
+    )
+    client.DiscoveryV1Api(cluster.k8s.api).create_namespaced_endpoint_slice(
+        cluster.ns,
+        {
+            "metadata": {
+                "name": f"{ACTIVATOR}-abcde",
+                "labels": {resources.SLICE_SERVICE_NAME: ACTIVATOR},
+            },
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [ACTIVATOR_IP], "conditions": {"ready": True}}],
+            "ports": [{"name": "http", "port": ACTIVATOR_PORT, "protocol": "TCP"}],
+        },
+    )
+
+
+def slice_of(cluster: Api, name: str) -> client.V1EndpointSlice | None:
+    try:
+        return client.DiscoveryV1Api(cluster.k8s.api).read_namespaced_endpoint_slice(
+            name, cluster.ns
+        )
+    except client.ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def replicas(cluster: Api, name: str) -> int:
+    return cluster.apps.read_namespaced_deployment(name, cluster.ns).spec.replicas
+
+
+def selector(cluster: Api, name: str) -> dict | None:
+    return cluster.core.read_namespaced_service(name, cluster.ns).spec.selector
+
+
+def test_idle_to_zero_through_the_activator_and_back(api, tiny_path, tmp_path):  # noqa: F811
+    activator_endpoints(api)
+    srv = server(tiny_path, tmp_path)
+    try:
+        with operator(api, [srv], activator_service=f"{api.ns}/{ACTIVATOR}"):
+            api.create("chat", SPEC)
+            start(srv, api, "chat")
+            wait_for("Ready with a replica", lambda: api.ready("chat"), timeout=180)
+            assert selector(api, "chat") == resources.selector_labels("chat")
+            assert slice_of(api, "chat") is None
+
+            # Idle (the server gets no request): to zero after scaleToZeroAfterSeconds.
+            started = time.time()
+            wait_for("scaled to zero", lambda: replicas(api, "chat") == 0, timeout=300)
+            autoscaling = api.get("chat")["status"]["autoscaling"]
+            idle = parse_timestamp(autoscaling["scaledToZeroTime"]) - parse_timestamp(
+                autoscaling["lastActiveTime"]
+            )
+            assert idle >= 60 and time.time() - started >= 55, autoscaling
+            event = wait_for("the Event", lambda: api.events("chat").get("ScaledToZero"))
+            assert "idle for" in event, event
+            # The Service now routes to the activator.
+            wait_for("the Service without a selector", lambda: not selector(api, "chat"))
+            eps = slice_of(api, "chat")
+            assert [e.addresses for e in eps.endpoints] == [[ACTIVATOR_IP]]
+            assert [(p.name, p.port) for p in eps.ports] == [("http", ACTIVATOR_PORT)]
+            assert eps.metadata.labels[resources.SLICE_SERVICE_NAME] == "chat"
+            assert eps.metadata.owner_references[0].kind == "InferenceService"
+            ready = wait_for(
+                "Ready (ScaledToZero)",
+                lambda: (c := api.condition("chat", "Ready")).get("reason") == "ScaledToZero" and c,
+            )
+            assert ready["status"] == "True", ready
+
+            # A wake request (the activator holds a request): one replica at once, not at
+            # the next idle period; the Service stays on the activator until it is Ready.
+            woken = time.time()
+            api.custom.patch_namespaced_custom_object(
+                "batchpilot.dev", "v1alpha1", api.ns, "inferenceservices", "chat",
+                {"metadata": {"annotations": {WAKE_ANNOTATION: timestamp(woken)}}},
+            )  # fmt: skip
+            wait_for("one replica again", lambda: replicas(api, "chat") == 1, timeout=60)
+            assert "WokenFromZero" in api.events("chat")
+            wait_for(
+                "the Service selecting the replicas again",
+                lambda: selector(api, "chat") == resources.selector_labels("chat"),
+                timeout=120,
+            )
+            wait_for("the activator's slice gone", lambda: slice_of(api, "chat") is None)
+            wait_for("Ready with a replica", lambda: api.ready("chat"), timeout=120)
+            assert (
+                "scaledToZeroTime" not in api.get("chat")["status"]["autoscaling"]
+            )  # merge-patched away
+    finally:
+        srv.stop()
+
+
+def test_the_activators_kubernetes_adapter(api, k8s):  # noqa: F811
+    """KubeTargets as the activator runs it: a bare name and a ClusterIP resolve to the
+    service, endpoints are its Ready pods on the serving port, and wake annotates it."""
+    from test_operator_cluster import operator as plain_operator
+
+    name = f"adapter-{api.ns[-6:]}"  # the cluster is shared: a name no other test uses
+    with plain_operator(api):
+        api.create(name, {"replicas": 1})
+        wait_for("Ready", lambda: api.ready(name), timeout=180)
+        targets = KubeTargets(client.ApiClient(k8s.api.configuration))
+        cluster_ip = api.core.read_namespaced_service(name, api.ns).spec.cluster_ip
+
+        async def ask():
+            return (
+                await targets.resolve(name),
+                await targets.resolve(cluster_ip),
+                await targets.resolve("nosuch"),
+                await targets.endpoints(api.ns, name),
+            )
+
+        by_name, by_ip, unknown, urls = asyncio.run(ask())
+        assert by_name == by_ip == (api.ns, name) and unknown is None
+        pods = api.core.list_namespaced_pod(api.ns, label_selector=f"batchpilot.dev/service={name}")
+        assert urls == [f"http://{p.status.pod_ip}:8000" for p in pods.items]
+        before = time.time()
+        asyncio.run(targets.wake(api.ns, name))
+        stamp = api.get(name)["metadata"]["annotations"][WAKE_ANNOTATION]
+        assert before - 1 <= parse_timestamp(stamp) <= time.time() + 1
