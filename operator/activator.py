@@ -40,6 +40,13 @@ logger = logging.getLogger(__name__)
 MAX_HELD_PER_SERVICE = 256
 HOLD_TIMEOUT_SECONDS = 300.0
 MAX_BODY_BYTES = 4 << 20  # the server's own bound (--max-request-body-bytes)
+# The bodies held at once, over every service: the per-service count alone would let 256
+# requests of 4 MiB each past a 512 MiB pod limit, and an OOM kill loses every held request.
+MAX_HELD_BYTES = 128 << 20
+# Services remembered at once: any Host of the <name>.<namespace> form makes an entry, so
+# entries with nothing held are dropped past this, and a new one is refused (503) when all
+# of them hold requests.
+MAX_SERVICES = 1024
 # While requests are held, `wake` is asked again this often (an annotation patch whose
 # first attempt failed, or that the operator missed, gets another chance) ...
 WAKE_INTERVAL_SECONDS = 5.0
@@ -217,6 +224,7 @@ class Activator:
         max_held_per_service: int = MAX_HELD_PER_SERVICE,
         hold_timeout: float = HOLD_TIMEOUT_SECONDS,
         max_body_bytes: int = MAX_BODY_BYTES,
+        max_held_bytes: int = MAX_HELD_BYTES,
         cluster_domain: str = "cluster.local",
         wake_interval: float = WAKE_INTERVAL_SECONDS,
         poll_interval: float = POLL_INTERVAL_SECONDS,
@@ -225,6 +233,8 @@ class Activator:
         self.max_held_per_service = max_held_per_service
         self.hold_timeout = hold_timeout
         self.max_body_bytes = max_body_bytes
+        self.max_held_bytes = max_held_bytes
+        self.held_bytes = 0
         self.cluster_domain = cluster_domain
         self.wake_interval = wake_interval
         self.poll_interval = poll_interval
@@ -286,6 +296,9 @@ class Activator:
             )
         try:
             service = await self._service_of(request.host)
+        except Refused as refused:
+            self._count(None, refused.outcome)
+            return refused.response()
         except Exception as e:  # the API server, most likely: a retry may well succeed
             logger.warning("resolving %r: %r", request.host, e)
             return error_response(503, f"Could not look up the service of {request.host!r}")
@@ -295,7 +308,7 @@ class Activator:
         arrived = time.monotonic()
         try:
             body = await read_body(request, self.max_body_bytes)
-            backend = await self._backend_for(service, arrived)
+            backend = await self._backend_for(service, arrived, len(body))
         except Refused as refused:
             self._count(service, refused.outcome)
             return refused.response()
@@ -314,21 +327,35 @@ class Activator:
         if target is None:
             return None
         if target not in self.services:
+            if len(self.services) >= MAX_SERVICES:
+                self._forget_idle_services()
+            if len(self.services) >= MAX_SERVICES:
+                raise Refused(503, "Too many services are waiting for replicas", REJECTED_FULL)
             queue = HoldQueue(self.max_held_per_service)
             self.services[target] = Service(*target, queue=queue)
         return self.services[target]
 
-    async def _backend_for(self, service: Service, arrived: float) -> str:
+    def _forget_idle_services(self) -> None:
+        for target, service in list(self.services.items()):
+            if not service.queue and (service.poller is None or service.poller.done()):
+                del self.services[target]
+
+    async def _backend_for(self, service: Service, arrived: float, size: int) -> str:
         """A Ready backend at once when there is one and nothing is held before this
-        request; else hold it until one is (or until the hold timeout)."""
+        request; else hold it (its ``size`` bytes of body) until one is, or until the hold
+        timeout."""
         if not service.queue and await self._refresh(service):
             return service.next_backend()
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+        if self.held_bytes + size > self.max_held_bytes:
+            message = f"{self.held_bytes} bytes of requests are already waiting for replicas"
+            raise Refused(429, message, REJECTED_FULL, headers)
         try:
             future = service.queue.hold()
         except QueueFull:
             message = f"{service.queue.limit} requests are already waiting for a replica"
-            headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
             raise Refused(429, message, REJECTED_FULL, headers) from None
+        self.held_bytes += size
         self._held_changed(service)
         if service.poller is None or service.poller.done():
             service.poller = asyncio.create_task(self._poll(service))
@@ -340,6 +367,7 @@ class Activator:
             raise Refused(503, message, TIMED_OUT) from None
         finally:
             service.queue.drop(future)
+            self.held_bytes -= size
             self._held_changed(service)
 
     async def _forward(self, request: web.Request, body: bytes, backend: str):

@@ -56,6 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"larger request bodies get 413 (default {activator.MAX_BODY_BYTES}, the server's)",
     )
 
+    parser.add_argument(
+        "--max-held-bytes",
+        type=_positive(int),
+        default=activator.MAX_HELD_BYTES,
+        metavar="BYTES",
+        help="request bodies held at once over every service; beyond, 429 with Retry-After "
+        f"(default {activator.MAX_HELD_BYTES}: keep it well under the pod's memory limit)",
+    )
+
 
 def run(args: argparse.Namespace) -> int:
     from batchpilot.operator.activator_kube import KubeTargets
@@ -70,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         max_held_per_service=args.max_held_per_service,
         hold_timeout=args.hold_timeout_seconds,
         max_body_bytes=args.max_body_bytes,
+        max_held_bytes=args.max_held_bytes,
         cluster_domain=args.cluster_domain,
     )
     asyncio.run(_serve(app, args.host, args.port))

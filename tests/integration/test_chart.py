@@ -350,6 +350,7 @@ def test_activator_renders_when_enabled_and_not_when_off(k8s):
         "--max-held-per-service=256",
         "--hold-timeout-seconds=300",
         "--max-body-bytes=4194304",
+        "--max-held-bytes=134217728",
     ]
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     for probe in ("readinessProbe", "livenessProbe"):
@@ -389,6 +390,7 @@ def test_activator_renders_when_enabled_and_not_when_off(k8s):
         "--max-held-per-service=256",
         "--hold-timeout-seconds=90.5",
         "--max-body-bytes=16777216",
+        "--max-held-bytes=134217728",
         "--host=::",
     ]
     assert c["ports"][0]["containerPort"] == 9000

@@ -238,6 +238,26 @@ def test_a_full_queue_answers_429_with_retry_after():
     asyncio.run(main())
 
 
+def test_held_bodies_are_bounded_in_bytes_over_every_service():
+    async def main():
+        kube = Kube()
+        async with activator(kube, max_held_bytes=1000) as (act, session):
+            first = asyncio.create_task(session.post("/v1/completions", data=b"x" * 600))
+            await eventually(lambda: held(act) == 1)
+            # 600 held: another 600 would pass the bound, whatever the service.
+            async with session.post("/v1/completions", data=b"y" * 600) as resp:
+                assert resp.status == 429 and int(resp.headers["Retry-After"]) > 0
+                assert_openai_error(await resp.json(), 429, "RateLimitError")
+            assert act.held_bytes == 600
+            async with replica(echo_replica()) as url:
+                kube.backends = [url]
+                async with await asyncio.wait_for(first, TIMEOUT) as resp:
+                    assert resp.status == 201
+            assert act.held_bytes == 0
+
+    asyncio.run(main())
+
+
 def test_a_request_held_past_the_timeout_gets_503():
     async def main():
         kube = Kube()
