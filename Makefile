@@ -7,7 +7,7 @@ export BATCHPILOT_CACHE ?= $(HOME)/.cache/batchpilot
 PYTEST_ARGS ?=
 
 .PHONY: run test venv lint format unit slow cluster k8s-bins crds bench clean image-server image-operator \
-	chart kind-toolchain kind-images kind-cluster kind-delete kind
+	chart kind-toolchain kind-gie kind-images kind-cluster kind-delete kind
 
 # .venv is rebuilt only when pyproject.toml changes; pip's own cache makes a rebuild cheap.
 $(STAMP): pyproject.toml
@@ -76,6 +76,11 @@ image-operator:
 # kind-toolchain: kind + node image (cold: ~20 min after k8s-bins; warm: a `docker load`).
 kind-toolchain: k8s-bins
 	bash kind-tests/toolchain/build.sh node
+
+# GIE's endpoint picker (EPP) + kind-tests/gie/pickclient from the Go module proxy, and the
+# EPP image (FROM scratch, --network none) where Docker runs (kind-tests/gie/README.md).
+kind-gie:
+	bash kind-tests/gie/build.sh
 
 # The server and operator images, from a local Debian base and a wheelhouse (--network none).
 kind-images:
