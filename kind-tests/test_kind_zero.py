@@ -183,6 +183,16 @@ def activator_forwarded(kind: Kind) -> float:
     )
 
 
+def goes_direct(kind: Kind, namespace: str, pod: str) -> bool:
+    """One GET /v1/models through the Service (from inside the server pod): True when the
+    activator's forwarded count did not move."""
+    before = activator_forwarded(kind)
+    url = f"http://{SERVICE}.{namespace}.svc.cluster.local:{SERVER_PORT}/v1/models"
+    probe = f"import urllib.request as u; u.urlopen({url!r}, timeout=30).read()"
+    kind.kubectl("exec", "-n", namespace, pod, "--", "python3", "-c", probe)
+    return activator_forwarded(kind) == before
+
+
 def condition_time(pod: dict, type_: str) -> float:
     c = next(c for c in pod["status"]["conditions"] if c["type"] == type_)
     return parse_time(c["lastTransitionTime"])
@@ -224,6 +234,14 @@ def test_zero_hold_wake_and_off_the_data_path(kind, namespace, zero_service, rep
     try:
         wait_for("the Service selecting the replica again",
                  lambda: service_selector(kind, namespace), 120)  # fmt: skip
+    except AssertionError as e:
+        report(str(e))
+    # kube-proxy follows the Service's new endpoints within moments: a request through the
+    # Service that the activator does not count has gone to the replica directly.
+    (pod,) = pods(kind, namespace)
+    try:
+        wait_for("a request through the Service to skip the activator",
+                 lambda: goes_direct(kind, namespace, pod["metadata"]["name"]), 120)  # fmt: skip
     except AssertionError as e:
         report(str(e))
     forwarded = activator_forwarded(kind)

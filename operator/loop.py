@@ -164,9 +164,11 @@ def hold_scale_down(
 
 def idle_state(status: dict) -> IdleState:
     autoscaling = status.get("autoscaling") or {}
+    seen = autoscaling.get("generationTokensSeen")
     return IdleState(
         _maybe_time(autoscaling.get("lastActiveTime")),
         _maybe_time(autoscaling.get("scaledToZeroTime")),
+        float(seen) if isinstance(seen, int | float) else None,
     )
 
 
@@ -175,6 +177,7 @@ def idle_status(state: IdleState) -> dict:
     return {
         "lastActiveTime": timestamp(state.last_active) if state.last_active else None,
         "scaledToZeroTime": timestamp(state.zero_since) if state.zero_since else None,
+        "generationTokensSeen": state.tokens_seen,
     }
 
 
@@ -351,7 +354,8 @@ class ClosedLoop:
             outcome.desired_replicas = replicas
             return  # status.autoscaling keeps the last decision; metrics.loopBlind says why
         a = spec.autoscaling
-        all_scraped = not outcome.scrape_failures
+        # Every replica of the Deployment answered: none failed, none is still starting.
+        all_scraped = not outcome.scrape_failures and outcome.scraped >= replicas
         idle = decide_idle(a, replicas, window, all_scraped, idle_state(status), wake_at, now)
         held = None
         if replicas == 0 and a.min_replicas == 0:

@@ -265,6 +265,9 @@ class Window:
     generation_tokens_per_second: float
     waiting_now: float = 0.0  # the latest scrape's queue, summed over replicas
     running_now: float = 0.0
+    # The latest scrape's generation-token counters, summed: work done between two scrapes
+    # of a replica that started after the window's first (no rate yet) still moves it.
+    generation_tokens_total: float = 0.0
     ttft_buckets: Buckets = ()
     itl_buckets: Buckets = ()
     max_num_seqs: dict[str, int] = field(default_factory=dict)  # replica URL -> in force
@@ -342,6 +345,7 @@ def replica_window(url: str, samples: Sequence[Sample]) -> Window:
         generation_tokens_per_second=rate(names.GENERATION_TOKENS),
         waiting_now=last.gauges.get(names.NUM_REQUESTS_WAITING, 0.0),
         running_now=last.gauges.get(names.NUM_REQUESTS_RUNNING, 0.0),
+        generation_tokens_total=last.counters.get(names.GENERATION_TOKENS, 0.0),
         ttft_buckets=bucket_increase([s.buckets[names.TIME_TO_FIRST_TOKEN] for s in samples]),
         itl_buckets=bucket_increase([s.buckets[names.INTER_TOKEN_LATENCY] for s in samples]),
         max_num_seqs={url: int(mns)} if mns is not None else {},
@@ -366,6 +370,7 @@ def merge_windows(windows: Sequence[Window]) -> Window | None:
         generation_tokens_per_second=sum(w.generation_tokens_per_second for w in windows),
         waiting_now=sum(w.waiting_now for w in windows),
         running_now=sum(w.running_now for w in windows),
+        generation_tokens_total=sum(w.generation_tokens_total for w in windows),
         ttft_buckets=merge_buckets(w.ttft_buckets for w in windows),
         itl_buckets=merge_buckets(w.itl_buckets for w in windows),
         max_num_seqs={k: v for w in windows for k, v in w.max_num_seqs.items()},

@@ -6,6 +6,7 @@ last activity brings one replica back, and an old one does not."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -38,18 +39,30 @@ def test_never_to_zero_with_work_in_flight_however_long_ago_the_period_began(w):
 
 
 def test_to_zero_after_the_idle_period_and_not_before():
-    state = IdleState(last_active=1000.0)
+    state = IdleState(last_active=1000.0, tokens_seen=0.0)
     early = decide_idle(ZERO, 1, QUIET, True, state, None, now=1119.0)
     assert early.replicas is None and early.state == state
     d = decide_idle(ZERO, 2, QUIET, True, state, None, now=1120.0)
     assert d.replicas == 0 and "idle for 120 s" in d.reason
-    assert d.state == IdleState(last_active=1000.0, zero_since=1120.0)
+    assert d.state == IdleState(last_active=1000.0, zero_since=1120.0, tokens_seen=0.0)
 
 
 @pytest.mark.parametrize("w, scraped", [(None, True), (QUIET, False), (window(replicas=0), True)])
 def test_never_to_zero_blind(w, scraped):
     d = decide_idle(ZERO, 1, w, scraped, IdleState(last_active=0.0), None, now=10_000.0)
     assert d.replicas is None
+
+
+def test_tokens_served_between_two_scrapes_count_as_activity():
+    """A woken replica answers what the activator held within seconds of turning Ready:
+    its counter moved, though no rate over the window shows it yet."""
+    fresh = dataclasses.replace(QUIET, generation_tokens_total=142.0)
+    state = IdleState(last_active=1000.0, tokens_seen=0.0)
+    d = decide_idle(ZERO, 1, fresh, True, state, None, now=1200.0)
+    assert d.replicas is None and d.state == IdleState(last_active=1200.0, tokens_seen=142.0)
+    # The counter still: idle from then on, and to zero after the period.
+    later = decide_idle(ZERO, 1, fresh, True, d.state, None, now=1320.0)
+    assert later.replicas == 0 and later.state.tokens_seen == 142.0
 
 
 def test_the_first_look_starts_the_period():
@@ -130,6 +143,22 @@ def test_a_served_burst_then_silence_goes_to_zero_once_and_a_restart_keeps_the_p
     # From the last activity, not from the restart (that would take until restart + 120).
     assert 120 <= t - last_active < 150 and t < restarted + 120
     assert parse_timestamp(status["autoscaling"]["scaledToZeroTime"]) == t
+
+
+def test_never_to_zero_while_a_replica_of_the_deployment_is_not_scraped():
+    """Two replicas in the Deployment, one answering (the other still starting, so not
+    listed): however long the answering one idles, the service stays up."""
+    replicas, status = Replicas(1), {"autoscaling": {"lastActiveTime": "2026-12-01T00:00:00Z"}}
+    loop = new_loop(replicas)
+    start = parse_timestamp("2026-12-01T00:00:00Z")
+    for dt in range(15, 600, 15):
+        replicas.advance(start + dt)
+        CLOCK[0] = start + dt
+        outcome = asyncio.run(
+            loop.run_once("ns", "chat", SPEC, status, 2, EngineSettings(4), "secret")
+        )
+        status.update(outcome.status_patch)
+        assert outcome.desired_replicas != 0, outcome
 
 
 def test_at_zero_only_a_new_wake_request_brings_a_replica_back():
