@@ -81,6 +81,7 @@ ENDPOINT_SLICE_KIND = ("discovery.k8s.io/v1", "EndpointSlice")
 # without one (routed to the activator) gets ours, marked so that controller leaves it.
 SLICE_MANAGED_BY = "endpointslice.kubernetes.io/managed-by"
 SLICE_SERVICE_NAME = "kubernetes.io/service-name"
+SLICE_CONTROLLER = "endpointslice-controller.k8s.io"
 
 
 @dataclass(frozen=True)
@@ -444,6 +445,14 @@ def build_service(owner: Owner, *, to_activator: bool = False) -> dict:
             ],
         },
     }
+
+
+def controller_slices_selector(name: str) -> str:
+    """The EndpointSlice controller's slices of the Service ``name``. Once the Service has
+    no selector the controller stops syncing them, without deleting them: left in place,
+    they keep its last (Ready) pods, and kube-proxy would send part of the traffic at zero
+    to pods that are gone."""
+    return f"{SLICE_SERVICE_NAME}={name},{SLICE_MANAGED_BY}={SLICE_CONTROLLER}"
 
 
 def build_activator_slice(owner: Owner, activator: Activator) -> dict:

@@ -71,6 +71,16 @@ def slice_of(cluster: Api, name: str) -> client.V1EndpointSlice | None:
         raise
 
 
+def controller_slices(cluster: Api, name: str) -> list:
+    return (
+        client.DiscoveryV1Api(cluster.k8s.api)
+        .list_namespaced_endpoint_slice(
+            cluster.ns, label_selector=resources.controller_slices_selector(name)
+        )
+        .items
+    )
+
+
 def replicas(cluster: Api, name: str) -> int:
     return cluster.apps.read_namespaced_deployment(name, cluster.ns).spec.replicas
 
@@ -102,6 +112,12 @@ def test_idle_to_zero_through_the_activator_and_back(api, tiny_path, tmp_path): 
             assert "idle for" in event, event
             # The Service now routes to the activator.
             wait_for("the Service without a selector", lambda: not selector(api, "chat"))
+            # The EndpointSlice controller's slices are gone: it stops syncing a Service
+            # without a selector, and their last pods would take part of the traffic.
+            wait_for(
+                "no slice of the EndpointSlice controller",
+                lambda: not controller_slices(api, "chat"),
+            )
             eps = slice_of(api, "chat")
             assert [e.addresses for e in eps.endpoints] == [[ACTIVATOR_IP]]
             assert [(p.name, p.port) for p in eps.ports] == [("http", ACTIVATOR_PORT)]
@@ -128,6 +144,7 @@ def test_idle_to_zero_through_the_activator_and_back(api, tiny_path, tmp_path): 
                 timeout=120,
             )
             wait_for("the activator's slice gone", lambda: slice_of(api, "chat") is None)
+            wait_for("the controller's slices back", lambda: controller_slices(api, "chat"))
             wait_for("Ready with a replica", lambda: api.ready("chat"), timeout=120)
             assert (
                 "scaledToZeroTime" not in api.get("chat")["status"]["autoscaling"]
