@@ -37,6 +37,7 @@ from kindsupport import (
 )
 
 from batchpilot.operator.idle import WAKE_ANNOTATION
+from batchpilot.operator.resources import LABEL_ROUTED
 from batchpilot.server.cpuinfo import cpu_flags, cpuinfo_field
 
 pytestmark = pytest.mark.kind
@@ -204,7 +205,7 @@ def wait_for_zero(kind: Kind, namespace: str, report) -> float:
                  IDLE_SECONDS + 300, every=3)  # fmt: skip
         wait_for("its pods gone", lambda: not pods(kind, namespace), 300, every=3)
         wait_for("the Service routed to the activator",
-                 lambda: not service_selector(kind, namespace), 120)  # fmt: skip
+                 lambda: LABEL_ROUTED in (service_selector(kind, namespace) or {}), 120)  # fmt: skip
     except AssertionError as e:
         report(str(e))
     return time.time()
@@ -233,7 +234,7 @@ def test_zero_hold_wake_and_off_the_data_path(kind, namespace, zero_service, rep
     # ---- once Ready: the Service selects the replica again, the activator is out of it
     try:
         wait_for("the Service selecting the replica again",
-                 lambda: service_selector(kind, namespace), 120)  # fmt: skip
+                 lambda: LABEL_ROUTED not in (service_selector(kind, namespace) or {}), 120)  # fmt: skip
     except AssertionError as e:
         report(str(e))
     # kube-proxy follows the Service's new endpoints within moments: a request through the

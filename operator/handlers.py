@@ -196,8 +196,6 @@ class Reconciler:
             self._create_secret(secret)
             written = {c["kind"]: self._write(c, found[c["kind"]], owner, logger) for c in others}
             self._delete_stale(owner, spec, to_activator=activator is not None)
-            if activator is not None:
-                self._delete_controller_slices(written["Service"])
         except ApiException as e:
             if e.status not in _PERMANENT_APPLY_STATUSES:
                 raise  # transient: kopf retries with backoff
@@ -228,20 +226,6 @@ class Reconciler:
         )
         activator = resources.activator_of(slices)
         return activator if resources.routes_to_activator(spec, desired, ready, activator) else None
-
-    def _delete_controller_slices(self, service: dict) -> None:
-        """The EndpointSlice controller's slices of our Service, now that it routes to the
-        activator (resources.controller_slices_selector): only those the Service owns, as
-        found. The controller makes new ones when the selector is back."""
-        meta = service["metadata"]
-        selector = resources.controller_slices_selector(meta["name"])
-        for found in self.kube.list(*resources.ENDPOINT_SLICE_KIND, meta["namespace"], selector):
-            refs = found["metadata"].get("ownerReferences") or []
-            if any(ref.get("uid") == meta["uid"] for ref in refs):
-                self.kube.delete(
-                    *resources.ENDPOINT_SLICE_KIND, meta["namespace"], found["metadata"]["name"],
-                    ownership.delete_preconditions(found),
-                )  # fmt: skip
 
     def _apply_pinned(self, child: dict, found: dict, dry_run: bool) -> dict:
         pinned = {**child, "metadata": {**child["metadata"], **ownership.pin(found)}}

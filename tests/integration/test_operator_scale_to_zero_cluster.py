@@ -1,5 +1,5 @@
 """Scale to zero through the real control plane: an idle service goes to zero, its Service
-switches to the activator (no selector; an EndpointSlice of the operator's with the
+switches to the activator (a selector no pod matches; an EndpointSlice of the operator's with the
 activator's addresses), a wake request brings a replica back, and once it is Ready the
 Service selects the replicas again and the activator's slice is gone. Then the activator's
 own Kubernetes adapter (activator_kube.KubeTargets) against the same API server.
@@ -111,12 +111,13 @@ def test_idle_to_zero_through_the_activator_and_back(api, tiny_path, tmp_path): 
             event = wait_for("the Event", lambda: api.events("chat").get("ScaledToZero"))
             assert "idle for" in event, event
             # The Service now routes to the activator.
-            wait_for("the Service without a selector", lambda: not selector(api, "chat"))
-            # The EndpointSlice controller's slices are gone: it stops syncing a Service
-            # without a selector, and their last pods would take part of the traffic.
+            routed = resources.service_selector("chat", to_activator=True)
+            wait_for("the Service selecting no pod", lambda: selector(api, "chat") == routed)
+            # The EndpointSlice controller still syncs the Service: its slices hold no pod
+            # (a stale one would take part of the traffic at zero).
             wait_for(
-                "no slice of the EndpointSlice controller",
-                lambda: not controller_slices(api, "chat"),
+                "the EndpointSlice controller's slices empty",
+                lambda: all(not s.endpoints for s in controller_slices(api, "chat")),
             )
             eps = slice_of(api, "chat")
             assert [e.addresses for e in eps.endpoints] == [[ACTIVATOR_IP]]
@@ -144,7 +145,10 @@ def test_idle_to_zero_through_the_activator_and_back(api, tiny_path, tmp_path): 
                 timeout=120,
             )
             wait_for("the activator's slice gone", lambda: slice_of(api, "chat") is None)
-            wait_for("the controller's slices back", lambda: controller_slices(api, "chat"))
+            wait_for(
+                "the controller's slices holding the replica",
+                lambda: any(s.endpoints for s in controller_slices(api, "chat")),
+            )
             wait_for("Ready with a replica", lambda: api.ready("chat"), timeout=120)
             assert (
                 "scaledToZeroTime" not in api.get("chat")["status"]["autoscaling"]

@@ -776,7 +776,11 @@ def test_at_zero_the_service_has_no_selector_and_the_activators_endpoints():
     # The slice exists before the Service drops its selector: no moment without endpoints.
     assert kinds.index("EndpointSlice") < kinds.index("Service")
     (service,) = [c for c in built if c["kind"] == "Service"]
-    assert "selector" not in service["spec"]
+    # A selector no pod matches: the EndpointSlice controller keeps its slices in sync
+    # (empty), so none of them keeps a pod that is gone.
+    assert service["spec"]["selector"] == {**r.selector_labels("chat"), r.LABEL_ROUTED: "activator"}
+    pod_labels = deployment(ZERO)["spec"]["template"]["metadata"]["labels"]
+    assert r.LABEL_ROUTED not in pod_labels
     assert service["spec"]["ports"][0]["name"] == "http"
     (eps,) = [c for c in built if c["kind"] == "EndpointSlice"]
     assert eps["metadata"]["name"] == "chat"
