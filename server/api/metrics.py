@@ -91,15 +91,16 @@ class EngineStatsCollector:
             info.add_metric([self._model_name, stats.kv_cache_dtype, str(stats.block_size),
                              str(stats.num_kv_blocks)], 1.0)  # fmt: skip
         yield info
-        # vLLM's shape: the cache config as labels, no model label. num_gpu_blocks is the
-        # device's KV blocks (CPU memory on a CPU server), as in vLLM's CPU backend.
+        # vLLM's family, the cache config as labels (GIE's endpoint picker reads block_size
+        # and num_gpu_blocks), with the model label every family here carries. num_gpu_blocks
+        # is the device's KV blocks (CPU memory on a CPU server), as in vLLM's CPU backend.
         config = GaugeMetricFamily(
             names.CACHE_CONFIG_INFO,
             "Information of the KV-cache config; the value is always 1.",
-            labels=["block_size", "cache_dtype", "num_gpu_blocks"],
+            labels=[*label, "block_size", "cache_dtype", "num_gpu_blocks"],
         )
         if stats is not None:
-            config.add_metric([str(stats.block_size), stats.kv_cache_dtype,
+            config.add_metric([self._model_name, str(stats.block_size), stats.kv_cache_dtype,
                                str(stats.num_kv_blocks)], 1.0)  # fmt: skip
         yield config
 

@@ -56,9 +56,9 @@ def test_gauges_and_counters_read_stats_at_scrape_time():
     assert value(found, names.MAX_NUM_BATCHED_TOKENS_METRIC) == 512
     info = dict(dtype="fp8", block_size="16", num_blocks="100")
     assert value(found, names.KV_CACHE_INFO, **info) == 1
-    # vLLM's family, as GIE's endpoint picker reads it: cache config labels, no model label.
-    config = (("block_size", "16"), ("cache_dtype", "fp8"), ("num_gpu_blocks", "100"))
-    assert found[(names.CACHE_CONFIG_INFO, config)] == 1
+    # vLLM's family, as GIE's endpoint picker reads it (block_size, num_gpu_blocks).
+    config = {"block_size": "16", "cache_dtype": "fp8", "num_gpu_blocks": "100"}
+    assert value(found, names.CACHE_CONFIG_INFO, **config) == 1
     stats.max_num_seqs, stats.max_num_batched_tokens = 8, 256
     found = samples(metrics)
     assert value(found, names.MAX_NUM_SEQS_METRIC) == 8
