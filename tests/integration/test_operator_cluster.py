@@ -705,6 +705,11 @@ def _start_cli(k8s, namespace: str, *extra: str, log: Path) -> subprocess.Popen:
     )
 
 
+# Two operator processes start, peer and hand over on a machine that the rest of the suite
+# keeps busy: 17 s alone, but a 60 s wait for one step failed once in a full CI run.
+PROCESS_TIMEOUT = 180
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -748,11 +753,13 @@ def test_cli_process_json_logs_liveness_and_standby_failover(api, k8s, tmp_path,
         return len(obj.get("status") or {})
 
     try:
-        wait_for("liveness endpoint", lambda: _get(liveness) == 200, timeout=60)
+        wait_for("liveness endpoint", lambda: _get(liveness) == 200, timeout=PROCESS_TIMEOUT)
         standby = _start_cli(k8s, api.ns, *peering, "--priority", "10", log=standby_log)
-        wait_for("both replicas in the peering", lambda: peers() == 2, timeout=60)
+        wait_for("both replicas in the peering", lambda: peers() == 2, timeout=PROCESS_TIMEOUT)
         api.create("chat", {})
-        st = wait_for("Ready via the active replica", lambda: api.ready("chat"), timeout=60)
+        st = wait_for(
+            "Ready via the active replica", lambda: api.ready("chat"), timeout=PROCESS_TIMEOUT
+        )
         assert st["image"] == "env/image:1"  # BATCHPILOT_SERVER_IMAGE
         assert "Applied generation" not in standby_log.read_text()
 
@@ -760,13 +767,13 @@ def test_cli_process_json_logs_liveness_and_standby_failover(api, k8s, tmp_path,
         wait_for(
             "the standby to take over",
             lambda: "Resuming operations" in standby_log.read_text(),
-            timeout=60,
+            timeout=PROCESS_TIMEOUT,
         )
         api.patch("chat", {"engine": {"maxNumSeqs": 12}})
         wait_for(
             "generation 2 Ready via the standby",
             lambda: (s := api.ready("chat")) and s["engine"]["maxNumSeqs"] == 12,
-            timeout=60,
+            timeout=PROCESS_TIMEOUT,
         )
         api.delete("chat")
         wait_for(
@@ -776,6 +783,7 @@ def test_cli_process_json_logs_liveness_and_standby_failover(api, k8s, tmp_path,
                     "items"
                 ]
             ),
+            timeout=PROCESS_TIMEOUT,
         )
     except AssertionError as e:
         logs = [
