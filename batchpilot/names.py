@@ -29,6 +29,10 @@ ENABLE_CHUNKED_PREFILL = Knob("enable_chunked_prefill", "enableChunkedPrefill")
 ENABLE_PREFIX_CACHING = Knob("enable_prefix_caching", "enablePrefixCaching")
 # vLLM's --swap-space is in GiB; the engine stores bytes.
 SWAP_SPACE = Knob("swap_space", "swapSpaceGiB")
+# Multi-LoRA, vLLM's names.
+MAX_LORAS = Knob("max_loras", "maxLoras")
+MAX_LORA_RANK = Knob("max_lora_rank", "maxLoraRank")
+MAX_CPU_LORAS = Knob("max_cpu_loras", "maxCpuLoras")
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 PREEMPTION_MODES = ("swap", "recompute")
@@ -41,6 +45,12 @@ SCHEDULING_POLICIES = ("continuous", "static")
 LIVE_KNOBS = (MAX_NUM_SEQS.name, MAX_NUM_BATCHED_TOKENS.name)
 
 ADMIN_TOKEN_ENV = "BATCHPILOT_ADMIN_TOKEN"
+# The CPU engine's thread count (server/cpu_budget.py); the operator sets it on CPU pods
+# from their CPU limit or request.
+CPU_THREADS_ENV = "BATCHPILOT_CPU_THREADS"
+# The adapters a replica loads at start-up where a bad one only logs (--preload-lora-modules):
+# the operator sets it from spec.adapters, through the service's ConfigMap.
+LORA_MODULES_ENV = "BATCHPILOT_LORA_MODULES"
 DEFAULT_PORT = 8000
 # /admin/* listens here only, never on the public port; the Service does not expose it and
 # the operator reaches each pod on it directly.
@@ -71,6 +81,11 @@ KV_CACHE_INFO = "batchpilot:kv_cache_info"
 # vLLM's cache-config info family; GIE's endpoint picker reads block_size and num_gpu_blocks.
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 BATCH_SIZE = "batchpilot:batch_size"
+# vLLM's LoRA gauge, which GIE's endpoint picker reads for adapter affinity: its value is a
+# timestamp, its labels the state (max_lora, the comma-joined running_lora_adapters and
+# waiting_lora_adapters). Not in ALL_METRICS: it exists only with LoRA on, and carries no
+# model_name label.
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 
 ALL_METRICS = (
     NUM_REQUESTS_RUNNING,

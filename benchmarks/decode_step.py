@@ -1,6 +1,7 @@
 """One engine's decode step (bundled model, dtype auto): admit the seed's prompts, then time
-15 steps and print the median. `--temperature 0.7 --batch 40` is the seed's load script;
-`--kernel-ab` times 40 steps with the CPU decode kernel on and off in turn, so a shared
+15 steps (on the attention path the start-up timing chose) and print the median.
+`--temperature 0.7 --batch 40` is the seed's load script; `--kernel-ab` times 40 steps
+with the CPU decode kernel on and off in turn, whatever start-up chose, so a shared
 machine's drifting load hits both alike. Run it under different `taskset` pinnings to see
 what the thread count costs on a loaded machine, e.g.
 `taskset -c 1 .venv/bin/python benchmarks/decode_step.py`."""
@@ -14,16 +15,16 @@ import time
 import torch
 
 from batchpilot.server import LLM, SamplingParams
-from batchpilot.server.attention import cpu_decode
 from batchpilot.server.bench.workload import SEED_REPEATS, seed_prompt
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
 parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--temperature", type=float, default=0.0)
 parser.add_argument("--kernel-ab", action="store_true")
+parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
 args = parser.parse_args()
 
-engine = LLM(None, dtype="auto", max_num_seqs=max(64, args.batch), max_model_len=2048).engine
+engine = LLM(None, dtype=args.dtype, max_num_seqs=max(64, args.batch), max_model_len=2048).engine
 print(f"torch threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}")
 rng = random.Random(0)
 for i in range(args.batch):
@@ -35,11 +36,12 @@ while engine.stats().last_step_batch_size < args.batch or admitting < 3:
     admitting += 1
 print(f"admitting {args.batch} prompts: {admitting} steps, {time.perf_counter() - start:.1f} s")
 
-kernel_usable = cpu_decode.usable
-modes = [True, False] * 20 if args.kernel_ab else [True] * 15
+chosen = engine.runner.attention_backend
+print(f"start-up chose {chosen}")
+modes = [True, False] * 20 if args.kernel_ab else [chosen == "cpu_kernel"] * 15
 times = {True: [], False: []}
 for on in modes:
-    cpu_decode.usable = kernel_usable if on else (lambda kv, q: False)
+    engine.runner.attention_backend = "cpu_kernel" if on else "torch"
     start = time.perf_counter()
     engine.step()
     times[on].append(time.perf_counter() - start)

@@ -99,5 +99,6 @@ if __name__ == "__main__":
     report = asyncio.run(main(args))
     print(json.dumps(report, indent=2))
     if args.result_dir:
+        args.result_dir.mkdir(parents=True, exist_ok=True)
         name = time.strftime("seed-load-%Y%m%d-%H%M%S.json")
         (args.result_dir / name).write_text(json.dumps(report, indent=2) + "\n")

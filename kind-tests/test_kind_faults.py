@@ -394,17 +394,32 @@ def test_a_graceful_delete_of_a_serving_replica_loses_no_request(kind, namespace
 # --------------------------------------------------------------------------- (b)
 
 
-def test_b_forced_delete_fails_only_that_replicas_requests_and_the_service_recovers(
-    kind, namespace, load, report, tmp_path
-):
-    proxy = kube_proxy(kind)
+@dataclass
+class ForcedDelete:
+    """One forced delete: the requests from just before it until recovery, where each went,
+    and when the victim was killed."""
+
+    window: list[dict]
+    backends: dict[int, set[str]]
+    victim_ip: str
+    survivor_ip: str
+    killed: float
+
+    def on(self, ip: str) -> list[dict]:
+        return [r for r in self.window if ip in self.backends.get(r.get("port", -1), set())]
+
+    @property
+    def in_flight(self) -> list[dict]:
+        return [r for r in self.on(self.victim_ip) if r["t0"] <= self.killed <= r["t1"]]
+
+
+def force_delete_one(kind, namespace, load, report, tmp_path, proxy) -> ForcedDelete:
     watch = None
     try:
         pods = wait_for("two Ready replicas", lambda: two_ready(kind, namespace), 600, every=3)
         begin = time.time()
         load.wait_ok(begin, 2 * CONCURRENCY)
         victim, survivor = pods[0], pods[1]
-        victim_ip, survivor_ip = victim["status"]["podIP"], survivor["status"]["podIP"]
         watch = ConntrackWatch(kind, proxy, load.ip, tmp_path)
         killed = time.time()
         kind.kubectl("delete", "pod", victim["metadata"]["name"], "-n", namespace,
@@ -420,27 +435,51 @@ def test_b_forced_delete_fails_only_that_replicas_requests_and_the_service_recov
             watch.close()
         report(str(e))
     window = [r for r in records if r["t0"] >= begin]
-    failed = [r for r in window if not r["ok"]]
-    on_victim = [r for r in window if victim_ip in backends.get(r.get("port", -1), set())]
-    in_flight = [r for r in on_victim if r["t0"] <= killed <= r["t1"]]
-    say("(b) forced delete", window,
-        f" (on the killed replica: {len(on_victim)} in all, {len(in_flight)} in flight at the "
-        f"kill; failed {len(failed)})")  # fmt: skip
-    # Each failure was a connection that the Service had sent to the killed pod.
-    unattributed = [r for r in failed if victim_ip not in backends.get(r.get("port", -1), set())]
-    assert not unattributed, (
-        f"failed requests that the killed pod {victim_ip} was not serving: {unattributed[:5]} "
-        f"(their backends: {[backends.get(r.get('port', -1)) for r in unattributed[:5]]})"
+    return ForcedDelete(window, backends, victim["status"]["podIP"],
+                        survivor["status"]["podIP"], killed)  # fmt: skip
+
+
+# Requests of MAX_TOKENS take a fraction of a second on a quiet machine, so at the instant
+# of a kill the victim serves none often enough (once in a CI run: 40 requests on it in
+# the window, none in flight at the kill) to try again rather than test nothing.
+FORCED_DELETE_ATTEMPTS = 3
+
+
+def test_b_forced_delete_fails_only_that_replicas_requests_and_the_service_recovers(
+    kind, namespace, load, report, tmp_path
+):
+    proxy = kube_proxy(kind)
+    for attempt in range(1, FORCED_DELETE_ATTEMPTS + 1):
+        trial = force_delete_one(kind, namespace, load, report, tmp_path, proxy)
+        failed = [r for r in trial.window if not r["ok"]]
+        say(f"(b) forced delete, attempt {attempt}", trial.window,
+            f" (on the killed replica: {len(trial.on(trial.victim_ip))} in all, "
+            f"{len(trial.in_flight)} in flight at the kill; failed {len(failed)})")  # fmt: skip
+        # Each failure was a connection that the Service had sent to the killed pod.
+        unattributed = [
+            r for r in failed if trial.victim_ip not in trial.backends.get(r.get("port", -1), set())
+        ]
+        assert not unattributed, (
+            f"failed requests that the killed pod {trial.victim_ip} was not serving: "
+            f"{unattributed[:5]} (their backends: "
+            f"{[trial.backends.get(r.get('port', -1)) for r in unattributed[:5]]})"
+        )
+        on_survivor = trial.on(trial.survivor_ip)
+        assert on_survivor and all(r["ok"] for r in on_survivor), "a request on the survivor failed"
+        # And none after the Service dropped the pod: everything started once requests
+        # succeeded again succeeded.
+        last_failure = max((r["t0"] for r in failed), default=trial.killed)
+        after = [r for r in trial.window if r["t0"] > last_failure]
+        assert len(after) >= 3 * CONCURRENCY and all(r["ok"] for r in after)
+        assert last_failure - trial.killed < 30, (
+            f"requests kept failing {last_failure - trial.killed:.0f}s on"
+        )
+        if trial.in_flight:
+            return
+    pytest.fail(
+        f"the killed replica was serving nothing at the kill in {FORCED_DELETE_ATTEMPTS} "
+        "attempts: the fault tested nothing"
     )
-    on_survivor = [r for r in window if survivor_ip in backends.get(r.get("port", -1), set())]
-    assert on_survivor and all(r["ok"] for r in on_survivor), "a request on the survivor failed"
-    assert in_flight, "the killed replica was serving nothing: the fault tested nothing"
-    # And none after the Service dropped the pod: everything started once requests
-    # succeeded again succeeded.
-    last_failure = max((r["t0"] for r in failed), default=killed)
-    after = [r for r in window if r["t0"] > last_failure]
-    assert len(after) >= 3 * CONCURRENCY and all(r["ok"] for r in after)
-    assert last_failure - killed < 30, f"requests kept failing {last_failure - killed:.0f}s on"
 
 
 # --------------------------------------------------------------------------- (d)
@@ -448,6 +487,20 @@ def test_b_forced_delete_fails_only_that_replicas_requests_and_the_service_recov
 
 def autoscaling_status(kind: Kind, namespace: str) -> dict:
     return kind.get(PLURAL, SERVICE, "-n", namespace).get("status", {}).get("autoscaling") or {}
+
+
+def forget_capacity(kind: Kind, namespace: str) -> float:
+    """Remove the loop's capacity figure from status; returns when.
+
+    (d) asks the scrape guard, so the slots alone must make the loop want fewer replicas
+    once one goes unscraped. A figure measured earlier in the module (during (b)'s forced
+    kill, one replica taking the whole load on two busy cores: 9.8 tokens/s in one CI run)
+    makes the throughput floor keep 2 instead, and the guard is never asked. With 7 requests
+    for 8 slots nothing queues in (d), so no new figure is measured."""
+    patch = {"status": {"autoscaling": {"capacityTokensPerSecond": None}}}
+    kind.kubectl("patch", PLURAL, SERVICE, "-n", namespace, "--subresource=status",
+                 "--type=merge", "-p", json.dumps(patch))  # fmt: skip
+    return time.time()
 
 
 def test_d_a_replica_whose_metrics_stop_answering_does_not_scale_the_service_down(
@@ -465,21 +518,24 @@ def test_d_a_replica_whose_metrics_stop_answering_does_not_scale_the_service_dow
             "maxReplicas": REPLICAS, "targetQueueLength": 1, "scaleUpStabilizationSeconds": 0,
             "scaleDownStabilizationSeconds": SCALE_DOWN_WINDOW,
         }  # fmt: skip
-        enabled = time.time()
         patch_spec(kind, namespace, {"autoscaling": autoscaling})
-        wait_for(
-            "a loop turn that scraped both replicas and keeps 2",
-            lambda: (
-                (a := autoscaling_status(kind, namespace)).get("time", "") > iso(enabled)
-                and a.get("desiredReplicas") == REPLICAS
-                and kind.get(PLURAL, SERVICE, "-n", namespace)["status"]
-                .get("metrics", {})
-                .get("replicasScraped")
-                == REPLICAS
-                and a
-            ),
-            300,
-        )
+        cleared = forget_capacity(kind, namespace)
+
+        def fresh_turn() -> bool:
+            nonlocal cleared
+            a = autoscaling_status(kind, namespace)
+            if a.get("time", "") <= iso(cleared):
+                return False
+            if a.get("capacityTokensPerSecond"):  # written back by a turn that read it before
+                cleared = forget_capacity(kind, namespace)
+                return False
+            scraped = kind.get(PLURAL, SERVICE, "-n", namespace)["status"].get("metrics", {})
+            return (
+                a.get("desiredReplicas") == REPLICAS and scraped.get("replicasScraped") == REPLICAS
+            )
+
+        wait_for("a loop turn that scraped both replicas, keeps 2, knows no capacity",
+                 fresh_turn, 300)  # fmt: skip
     except AssertionError as e:
         report(str(e))
     victim = pods[0]

@@ -1,24 +1,112 @@
-"""The replicas' /admin/config over HTTP, with the service's bearer token (the I/O shell
-the tuner's live changes go through)."""
+"""The replicas' admin API over HTTP, with the service's bearer token: /admin/config (the
+I/O shell the tuner's live changes go through) and vLLM's load/unload_lora_adapter (the
+adapter reconcile's); and the public /v1/models, which lists the adapters loaded."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterable
 
 import aiohttp
 
 ADMIN_TIMEOUT_SECONDS = 5.0
+# Loading reads the adapter's weights from disk: longer than a config change.
+ADAPTER_TIMEOUT_SECONDS = 60.0
 PATH = "/admin/config"
+LOAD_PATH = "/v1/load_lora_adapter"
+UNLOAD_PATH = "/v1/unload_lora_adapter"
+MODELS_PATH = "/v1/models"
+# What the operator reads of an answer: a refusal's message goes into status and Events.
+MAX_BODY_BYTES = 64 * 1024
+MAX_MESSAGE_CHARS = 512
+ALREADY_LOADED = "has already been loaded"
 
 
 class AdminError(RuntimeError):
     """A replica refused or did not answer an admin call."""
 
 
+class AdapterRefused(AdminError):
+    """The replica answered and refused (a 4xx): ``status`` its HTTP status, ``message``
+    its OpenAI error message (a corrupt or mismatched adapter, requests in flight...). A
+    5xx (still loading, draining) is a plain AdminError: it says nothing of the adapter."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def error_message(status: int, body: bytes) -> str:
+    """The OpenAI error's message, else the text, bounded."""
+    text = body.decode("utf-8", "replace")
+    try:
+        message = json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = text
+    message = str(message).strip() or f"HTTP {status}"
+    return message[:MAX_MESSAGE_CHARS]
+
+
 class AdminClient:
-    def __init__(self, timeout: float = ADMIN_TIMEOUT_SECONDS):
+    def __init__(
+        self,
+        timeout: float = ADMIN_TIMEOUT_SECONDS,
+        adapter_timeout: float = ADAPTER_TIMEOUT_SECONDS,
+    ):
         self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.adapter_timeout = aiohttp.ClientTimeout(total=adapter_timeout)
+
+    async def load_adapter(self, url: str, token: str, name: str, path: str) -> None:
+        """Load (idempotent: one already loaded counts as loaded). Raises AdapterRefused
+        when the replica refuses it, AdminError when it does not answer."""
+        try:
+            await self._post(url + LOAD_PATH, token, {"lora_name": name, "lora_path": path})
+        except AdapterRefused as e:
+            if not (e.status == 400 and ALREADY_LOADED in e.message):
+                raise
+
+    async def unload_adapter(self, url: str, token: str, name: str) -> None:
+        """Unload (idempotent: 404, not loaded, counts as unloaded). AdapterRefused with 400
+        while requests for it are in flight."""
+        try:
+            await self._post(url + UNLOAD_PATH, token, {"lora_name": name})
+        except AdapterRefused as e:
+            if e.status != 404:
+                raise
+
+    async def list_adapters(self, url: str) -> dict[str, str] | None:
+        """Adapter name -> path from the replica's public /v1/models (entries with a
+        parent); None when it cannot be read (an --api-key, an older server)."""
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=self.timeout) as session,
+                session.get(url.rstrip("/") + MODELS_PATH) as resp,
+            ):
+                body = await resp.content.read(MAX_BODY_BYTES)
+                if resp.status != 200:
+                    return None
+                data = json.loads(body)["data"]
+                return {m["id"]: str(m.get("root", "")) for m in data if m.get("parent")}
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+            return None
+
+    async def _post(self, url: str, token: str, body: dict) -> None:
+        headers = {"Authorization": f"Bearer {token}"}
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=self.adapter_timeout) as session,
+                session.post(url, json=body, headers=headers) as resp,
+            ):
+                answer = await resp.content.read(MAX_BODY_BYTES)
+                if 400 <= resp.status < 500:
+                    raise AdapterRefused(resp.status, error_message(resp.status, answer))
+                if resp.status != 200:  # a 503 while it starts or drains: ask again later
+                    message = error_message(resp.status, answer)
+                    raise AdminError(f"POST {url}: HTTP {resp.status}: {message}")
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise AdminError(f"POST {url}: {type(e).__name__}: {e}") from e
 
     async def get_config(self, url: str, token: str) -> dict:
         return await self._call("GET", url, token)

@@ -137,12 +137,12 @@ class _Camel(_Model):
 # --------------------------------------------------------------------------- spec
 
 
+# A path in the container, a path on a PersistentVolumeClaim, or a pre-cached HF repo.
+_SOURCE_FORMS = r"/.+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|hf://[^/\s]+/[^\s]+"
+
+
 class ModelSpec(_Camel):
-    source: str = Field(
-        "bundled",
-        max_length=1024,
-        pattern=r"^(bundled|/.+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|hf://[^/\s]+/[^\s]+)$",
-    )
+    source: str = Field("bundled", max_length=1024, pattern=rf"^(bundled|{_SOURCE_FORMS})$")
     """Where the weights come from: `bundled` (SmolLM2-135M-Instruct inside the server image),
     an absolute path in the container (an HF directory, safetensors or a .gguf file),
     `pvc://<claim>/<path>` (the claim is mounted read-only; the operator checks it exists),
@@ -200,6 +200,23 @@ class EngineSpec(_Camel):
     dtype: Literal[names.DTYPES] = "auto"  # type: ignore[valid-type]
     """Weights and activations dtype."""
 
+    enable_lora: bool = False
+    """Serve LoRA adapters even while spec.adapters is empty, so that the first adapter
+    added later loads live instead of rolling the pods. Implied by a non-empty
+    spec.adapters."""
+
+    max_loras: int = Field(1, ge=1, le=64, alias=names.MAX_LORAS.crd_field)
+    """Most adapters one batch may use at once (GPU slots). Requests for another adapter
+    wait until a slot frees. The tuner raises it within tuning.maxLoras."""
+
+    max_lora_rank: Literal[flags.LORA_RANKS] = Field(  # type: ignore[valid-type]
+        16, alias=names.MAX_LORA_RANK.crd_field
+    )
+    """Largest adapter rank the slots are sized for; a higher-rank adapter fails to load."""
+
+    max_cpu_loras: int | None = Field(None, ge=1, le=1024, alias=names.MAX_CPU_LORAS.crd_field)
+    """Adapters kept in CPU memory, loaded or not into a slot. Default: maxLoras."""
+
     extra_args: list[Annotated[str, Field(max_length=256)]] = Field(
         default_factory=list, max_length=64
     )
@@ -225,6 +242,12 @@ class EngineSpec(_Camel):
                 or e.enable_chunked_prefill
                 or e.max_num_batched_tokens >= e.max_model_len
             ),
+        ),
+        Rule(
+            cel="!has(self.maxCpuLoras) || self.maxCpuLoras >= self.maxLoras",
+            message="maxCpuLoras must be >= maxLoras: every adapter in a slot is also held "
+            "in CPU memory",
+            check=lambda e: e.max_cpu_loras is None or e.max_cpu_loras >= e.max_loras,
         ),
     )
 
@@ -329,6 +352,21 @@ class TokenRange(_Camel):
     )
 
 
+class LoraRange(_Camel):
+    """Bounds of max_loras, the adapters one batch may use at once."""
+
+    min: int = Field(ge=1, le=64)
+    max: int = Field(ge=1, le=64)
+
+    rules = (
+        Rule(
+            cel="self.min <= self.max",
+            message="tuning.maxLoras.min must be <= tuning.maxLoras.max",
+            check=lambda r: r.min <= r.max,
+        ),
+    )
+
+
 class TuningSpec(_Camel):
     """The online tuner of max_num_seqs, max_num_batched_tokens and the KV-cache dtype."""
 
@@ -341,6 +379,10 @@ class TuningSpec(_Camel):
     """Bounds the tuner keeps the step budget (max_num_batched_tokens) within; it changes
     live. Pods start with the max (the budget the engine profiles its memory at) and get the
     tuned value once up. Default: not tuned."""
+    max_loras: LoraRange | None = Field(None, alias=names.MAX_LORAS.crd_field)
+    """Bounds the tuner keeps max_loras within: raised when requests wait for adapters
+    that find no free slot while batch slots are free. A change rolls the pods. Default:
+    not tuned."""
     allow_fp8_kv_cache: bool = Field(False, alias="allowFP8KVCache")
     """May the tuner switch the KV cache to fp8 and back: to fp8 when memory-bound, back
     when fp8 does not pay (each switch is a rolling restart)."""
@@ -491,6 +533,24 @@ class PodSpec(_Camel):
     )
 
 
+# vLLM accepts any model id as an adapter's name; bounded here to what reads well in a
+# label, a metric and a URL: letters, digits, '-', '_', '.', starting and ending with one
+# of the first two.
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+MAX_ADAPTERS = 32
+
+
+class AdapterSpec(_Camel):
+    """A LoRA adapter served beside the base model, loaded into every replica live."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=ADAPTER_NAME_PATTERN)
+    """The model name clients send (`model` in OpenAI requests) to use the adapter."""
+    source: str = Field(max_length=1024, pattern=rf"^({_SOURCE_FORMS})$")
+    """Where the adapter (a PEFT directory) is: an absolute path in the container,
+    `pvc://<claim>/<path>` (mounted read-only; a claim not mounted yet rolls the pods), or
+    `hf://<org>/<name>` (already in a mounted Hugging Face cache)."""
+
+
 class ResourceRequirements(_Camel):
     """core/v1 ResourceRequirements of the server container, e.g. limits nvidia.com/gpu: 1."""
 
@@ -515,8 +575,32 @@ class InferenceServiceSpec(_Camel):
     tuning: TuningSpec = Field(default_factory=TuningSpec)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     pod: PodSpec = Field(default_factory=PodSpec)
+    adapters: list[AdapterSpec] = Field(default_factory=list, max_length=MAX_ADAPTERS)
+    """LoRA adapters to serve. Adding or removing one loads or unloads it on every
+    replica without a restart (status.adapters has each one's state per replica)."""
 
     rules = (
+        Rule(
+            cel="!has(self.adapters) || self.adapters.all(a, "
+            "self.adapters.exists_one(b, b.name == a.name))",
+            message="adapters: each name may appear once",
+            check=lambda s: len({a.name for a in s.adapters}) == len(s.adapters),
+        ),
+        Rule(
+            cel="!has(self.adapters) || !has(self.model.name) || "
+            "!self.adapters.exists(a, a.name == self.model.name)",
+            message="adapters: an adapter may not be named like the model (model.name)",
+            check=lambda s: s.model.name is None or all(a.name != s.model.name for a in s.adapters),
+        ),
+        Rule(
+            cel="!has(self.tuning.maxLoras) || (self.tuning.maxLoras.min <= self.engine.maxLoras"
+            " && self.engine.maxLoras <= self.tuning.maxLoras.max)",
+            message="engine.maxLoras must lie within tuning.maxLoras.min..max",
+            check=lambda s: (
+                s.tuning.max_loras is None
+                or s.tuning.max_loras.min <= s.engine.max_loras <= s.tuning.max_loras.max
+            ),
+        ),
         Rule(
             cel="!self.tuning.enabled || (self.tuning.maxNumSeqs.min <= self.engine.maxNumSeqs"
             " && self.engine.maxNumSeqs <= self.tuning.maxNumSeqs.max)",
@@ -598,6 +682,43 @@ class EngineStatus(_Camel):
     swap_space_gib: float | None = Field(None, alias=names.SWAP_SPACE.crd_field)
     enable_chunked_prefill: bool | None = Field(None, alias=names.ENABLE_CHUNKED_PREFILL.crd_field)
     enable_prefix_caching: bool | None = Field(None, alias=names.ENABLE_PREFIX_CACHING.crd_field)
+    max_loras: int | None = Field(None, alias=names.MAX_LORAS.crd_field)
+    max_lora_rank: int | None = Field(None, alias=names.MAX_LORA_RANK.crd_field)
+    max_cpu_loras: int | None = Field(None, alias=names.MAX_CPU_LORAS.crd_field)
+
+
+AdapterState = Literal["Loading", "Loaded", "Failed", "Unloading"]
+MAX_ADAPTER_REPLICAS_SHOWN = 32
+
+
+class AdapterReplicaStatus(_Camel):
+    """One replica's state of an adapter."""
+
+    model_config = ConfigDict(extra="ignore")
+    pod: str = Field(max_length=253)
+    """The pod (or, with --metrics-urls, the replica's URL)."""
+    state: AdapterState
+    """Loading: not confirmed loaded yet (the replica has not been reached); Loaded;
+    Failed: the replica refused it (message says why; retried later); Unloading: removed
+    from the spec, still loaded there (requests for it in flight)."""
+    message: str = Field("", max_length=1024)
+    time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    """When the state was last set."""
+
+
+class AdapterStatus(_Camel):
+    """An adapter of the spec, or one removed from it and still being unloaded."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(max_length=63)
+    path: str = Field("", max_length=1024)
+    """The path the replicas were sent (in the container)."""
+    loaded: int = 0
+    """Replicas serving it."""
+    replicas: list[AdapterReplicaStatus] = Field(
+        default_factory=list, max_length=MAX_ADAPTER_REPLICAS_SHOWN
+    )
+    """Per replica, Failed ones first, at most 32."""
 
 
 class InferenceServiceStatus(_Camel):
@@ -627,6 +748,8 @@ class InferenceServiceStatus(_Camel):
     """The autoscaler's latest decision and its reason."""
     tuning: Opaque | None = None
     """The tuner's latest decision, its reason and a bounded history."""
+    adapters: list[AdapterStatus] | None = Field(None, max_length=2 * MAX_ADAPTERS)
+    """Each LoRA adapter's state per replica."""
 
 
 # --------------------------------------------------------------------------- parsing

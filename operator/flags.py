@@ -25,6 +25,13 @@ ENGINE_KNOBS = (
 )
 BOOL_KNOBS = frozenset([names.ENABLE_CHUNKED_PREFILL.name, names.ENABLE_PREFIX_CACHING.name])
 
+# Multi-LoRA (vLLM's flags). Rendered only while LoRA is on (spec.adapters or
+# engine.enableLora): a service without adapters keeps the pod template it had.
+ENABLE_LORA = "--enable-lora"
+LORA_MODULES = "--lora-modules"
+LORA_KNOBS = (names.MAX_LORAS, names.MAX_LORA_RANK, names.MAX_CPU_LORAS)
+LORA_RANKS = (8, 16, 32, 64, 128, 256)
+
 MANAGED_FLAGS = tuple(
     sorted(
         [
@@ -37,8 +44,10 @@ MANAGED_FLAGS = tuple(
             "--shutdown-timeout",
             "--max-queue-len",
             "--admin-token",
+            ENABLE_LORA,
+            LORA_MODULES,
         ]
-        + [k.flag for k in ENGINE_KNOBS]
+        + [k.flag for k in (*ENGINE_KNOBS, *LORA_KNOBS)]
         + ["--no-" + k.flag[2:] for k in ENGINE_KNOBS if k.name in BOOL_KNOBS]
     )
 )

@@ -42,7 +42,7 @@ from batchpilot.operator.kube import (
     new_api_client,
     post_event,
 )
-from batchpilot.operator.loop_timer import LoopTimer, loop_wanted
+from batchpilot.operator.loop_timer import LoopTimer, adapters_wanted, loop_wanted
 from batchpilot.operator.resources import LoopState, Owner
 from batchpilot.operator.status import Problem
 
@@ -305,6 +305,14 @@ class Reconciler:
                 f"model source {spec.model.source}: PersistentVolumeClaim "
                 f"{claim!r} not found in namespace {ns!r}",
             )
+        missing = [c for c in resources.adapter_claims(spec) if not self.kube.pvc_exists(ns, c)]
+        if missing:
+            # Mounting a missing claim would leave the new pods Pending: refused up front.
+            return spec, Problem(
+                status.ADAPTER_SOURCE_NOT_FOUND,
+                f"spec.adapters: PersistentVolumeClaim(s) {', '.join(missing)} not found in "
+                f"namespace {ns!r}",
+            )
         sa = spec.pod.service_account_name
         account = self.kube.read_service_account(ns, sa) if sa else None
         if sa and account is None:
@@ -407,8 +415,12 @@ class Reconciler:
             return
         if not ownership.controlled_by(dep, Owner.from_body(body)):
             return  # an earlier object's of that name, being garbage-collected
-        generation = body["metadata"].get("generation", 1)
         prev = body.get("status") or {}
+        # The generation last reconciled, not the object's: an edit not yet applied must not
+        # read as observed (nor lose its reconcile's "Applied" event).
+        generation = prev.get("observedGeneration")
+        if generation is None:
+            return  # never reconciled: the reconcile writes the first status
         new = status.compute_status(
             name=name,
             generation=generation,
@@ -552,6 +564,22 @@ def _register_inference_services(
     async def wake(body: kopf.Body, new: Any, logger: Any, **_: Any) -> None:
         if new:
             await timer.tick(plain(body), logger)
+
+    # Adapters load into each Ready replica through its admin API, whatever the loop does;
+    # a change of spec.adapters runs a turn at once.
+    @kopf.timer(
+        **isvc,
+        id="adapters",
+        interval=config.loop_interval,
+        backoff=config.loop_interval,
+        when=lambda spec, status, **_: adapters_wanted(spec, status),
+    )
+    async def adapters(body: kopf.Body, logger: Any, **_: Any) -> None:
+        await timer.sync_adapters(plain(body), logger)
+
+    @kopf.on.field(**isvc, id="adapters-changed", field=("spec", "adapters"))
+    async def adapters_changed(body: kopf.Body, logger: Any, **_: Any) -> None:
+        await timer.sync_adapters(plain(body), logger)
 
     # optional: no finalizer of its own (the timers' one is there anyway).
     @kopf.on.delete(**isvc, id="forget", optional=True)

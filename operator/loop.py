@@ -57,7 +57,8 @@ from batchpilot.operator.tuner_state import (
 MIN_SCRAPED_SHARE = 0.5  # below this share of Ready replicas answering, the loop is blind
 ENGINE_CHANGE_FREEZE_SECONDS = 300.0  # no scale-down this long after an engine change
 EMERGENCY_QUEUE_FACTOR = 4.0  # a queue this many times the target scales up regardless
-CAPACITY_KINDS = ("raise", "raise_budget", "fp8")  # changes that may remove a queue
+CAPACITY_KINDS = ("raise", "raise_budget", "fp8", "raise_loras")  # may remove a queue
+BOTTLENECK = "MaxLorasBottleneck"  # the LoRA law's decisions start with it (tune.Rules)
 
 EVENT_FOR_ACTION = {
     "try": "TuningTrial",
@@ -226,6 +227,18 @@ def arbitrate(
     return decision
 
 
+def tuning_event(decision: TuneDecision, last_reason: str) -> tuple[str, str] | None:
+    """The Event of a tuning decision: each change; a LoRA bottleneck as its own reason
+    (MaxLorasBottleneck), also when held at the bound, then once until it clears."""
+    bottleneck = decision.reason.removeprefix("trying: ").startswith(BOTTLENECK)
+    if decision.changes:
+        tried = bottleneck and decision.action == "try"
+        return (BOTTLENECK if tried else EVENT_FOR_ACTION[decision.action], decision.reason)
+    if bottleneck and not last_reason.startswith(BOTTLENECK):
+        return BOTTLENECK, decision.reason
+    return None
+
+
 def live_targets(tuner: TunerState, urls: list[str]) -> dict[str, EngineSettings]:
     """The live settings each replica should run: the kept ones, the canary's its own."""
     assert tuner.settings is not None
@@ -282,7 +295,8 @@ class ClosedLoop:
         self._observed(outcome, window, status, now)
         tuner = TunerState.from_status(status)
         if spec.tuning.enabled:
-            tuner = self._tune(outcome, key, spec, tuner, settings, now)
+            last_reason = str((status.get("tuning") or {}).get("reason", ""))
+            tuner = self._tune(outcome, key, spec, tuner, settings, now, last_reason)
         if spec.autoscaling.enabled:
             self._autoscale(outcome, window, spec, status, replicas, now, tuner, wake_at)
         if spec.tuning.enabled and outcome.blind is None:
@@ -316,6 +330,7 @@ class ClosedLoop:
         tuner: TunerState,
         in_force: EngineSettings,
         now: float,
+        last_reason: str = "",
     ) -> TunerState:
         if outcome.blind is not None:
             settings = tuner.settings or in_force
@@ -334,8 +349,8 @@ class ClosedLoop:
             )
             decision, tuner = decide_tuning(view, spec, tuner, in_force, now, self.limits)
         outcome.tuning = decision
-        if decision.changes:
-            outcome.events.append((EVENT_FOR_ACTION[decision.action], decision.reason))
+        if event := tuning_event(decision, last_reason):
+            outcome.events.append(event)
         outcome.status_patch["tuning"] = tuner.to_status(decision, now)
         return tuner
 

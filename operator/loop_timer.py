@@ -19,13 +19,14 @@ from kubernetes import client
 
 from batchpilot import names
 from batchpilot.operator import probes, resources
+from batchpilot.operator.adapters import AdapterSync, failures
 from batchpilot.operator.admin_client import AdminClient
 from batchpilot.operator.config import OperatorConfig
 from batchpilot.operator.crd import InferenceServiceSpec, SpecError, parse_spec
 from batchpilot.operator.idle import WAKE_ANNOTATION
 from batchpilot.operator.kube import post_event
 from batchpilot.operator.loop import ClosedLoop, LoopOutcome
-from batchpilot.operator.observe import MetricsSource, PodMetricsSource, UrlMetricsSource
+from batchpilot.operator.observe import PodMetricsSource, ReplicaSource, UrlMetricsSource
 from batchpilot.operator.resources import LoopState, Owner
 from batchpilot.operator.tuner_state import EngineSettings, parse_timestamp
 
@@ -35,6 +36,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("batchpilot.operator.loop")
 # Events that say the loop could not do its job (the others report what it decided).
 WARNING_REASONS = frozenset({"LoopBlind", "TuningAbandoned"})
+
+
+def adapters_wanted(spec: dict, status: dict) -> bool:
+    """Are there adapters to load, or ones status still names to unload?"""
+    return bool((spec or {}).get("adapters") or (status or {}).get("adapters"))
 
 
 def loop_wanted(spec: dict) -> bool:
@@ -59,10 +65,13 @@ def settings_in_force(deployment: dict, spec: InferenceServiceSpec, status: dict
     recorded = resources.read_engine_settings(deployment)
     planned = resources.effective_engine(spec, LoopState.from_status(status))
     tuned_budget = spec.tuning.max_num_batched_tokens is not None
+    loras = names.MAX_LORAS.crd_field
+    tuned_loras = spec.tuning.max_loras is not None
     return EngineSettings(
         max_num_seqs=recorded.get(names.MAX_NUM_SEQS.crd_field, planned.max_num_seqs),
         kv_cache_dtype=recorded.get(names.KV_CACHE_DTYPE.crd_field, planned.kv_cache_dtype),
         max_num_batched_tokens=planned.max_num_batched_tokens if tuned_budget else None,
+        max_loras=recorded.get(loras, planned.max_loras) if tuned_loras else None,
     )
 
 
@@ -101,8 +110,10 @@ class LoopTimer:
         self.config = config
         self.rec = reconciler
         self._loop = loop
+        self._adapters: AdapterSync | None = None
         # A wake request runs a turn at once, beside the timer's: one turn at a time each.
         self._turns: dict[tuple[str, str], asyncio.Lock] = {}
+        self._adapter_turns: dict[tuple[str, str], asyncio.Lock] = {}
 
     @property
     def loop(self) -> ClosedLoop:
@@ -110,7 +121,13 @@ class LoopTimer:
             self._loop = ClosedLoop(self._source(), AdminClient())
         return self._loop
 
-    def _source(self) -> MetricsSource:
+    @property
+    def adapters(self) -> AdapterSync:
+        if self._adapters is None:
+            self._adapters = AdapterSync(self._source(), AdminClient())
+        return self._adapters
+
+    def _source(self) -> ReplicaSource:
         if self.config.metrics_urls:
             return UrlMetricsSource(self.config.metrics_urls, self.config.admin_urls)
         return PodMetricsSource(client.CoreV1Api(self.rec.kube.dynamic.client))
@@ -120,6 +137,33 @@ class LoopTimer:
         if self._loop is not None:
             self._loop.forget(namespace, name)
         self._turns.pop((namespace, name), None)
+        self._adapter_turns.pop((namespace, name), None)
+
+    async def sync_adapters(self, body: dict, logger=log) -> None:
+        """One adapter turn: every Ready replica's adapters to the spec's; status.adapters,
+        its Events, and a reconcile when a failure appears or clears (Degraded)."""
+        meta = body["metadata"]
+        ns, name = meta["namespace"], meta["name"]
+        async with self._adapter_turns.setdefault((ns, name), asyncio.Lock()):
+            try:
+                spec = parse_spec(body.get("spec"))
+            except SpecError:
+                return  # the reconcile reports it as Degraded
+            owner = Owner.from_body(body)
+            if await asyncio.to_thread(self.rec.owned_deployment, owner) is None:
+                return  # no replica of ours: nothing to load into
+            status = body.get("status") or {}
+            token = self.rec.admin_token(owner)
+            outcome = await self.adapters.run_once(ns, name, spec, status, token)
+            before = status.get("adapters") or []
+            if outcome.adapters != (status.get("adapters") or None):
+                patch = {"adapters": outcome.adapters}
+                await asyncio.to_thread(self.rec.kube.patch_isvc_status, ns, name, patch)
+            for reason, message in outcome.events:
+                logger.info("%s: %s", reason, message)
+                post_event(body, "Normal", reason, message)
+            if failures(before) != failures(outcome.adapters or []):
+                await asyncio.to_thread(self.rec.reconcile_by_name, ns, name, logger)
 
     async def tick(self, body: dict, logger: logging.Logger | logging.LoggerAdapter = log) -> None:
         meta = body["metadata"]

@@ -62,8 +62,22 @@ class Scrape:
     admin_url: str | None = None
 
 
+@dataclass(frozen=True)
+class Replica:
+    """A Ready replica: its name (the pod's; the URL for a fixed list), its base URL and
+    its admin API's base URL."""
+
+    name: str
+    url: str
+    admin_url: str
+
+
 class MetricsSource(Protocol):
     async def scrape(self, namespace: str, name: str) -> list[Scrape]: ...
+
+
+class ReplicaSource(MetricsSource, Protocol):
+    async def replicas(self, namespace: str, name: str) -> list[Replica]: ...
 
 
 async def scrape_urls(
@@ -110,6 +124,9 @@ class UrlMetricsSource:
     async def scrape(self, namespace: str, name: str) -> list[Scrape]:
         return await scrape_urls(self.urls, self.timeout)
 
+    async def replicas(self, namespace: str, name: str) -> list[Replica]:
+        return [Replica(u, u, a) for u, a in self.urls.items()]
+
 
 class PodMetricsSource:
     """In-cluster: every Ready pod of the service, on its pod IP and the server's port.
@@ -122,18 +139,24 @@ class PodMetricsSource:
         self.timeout = timeout
 
     async def scrape(self, namespace: str, name: str) -> list[Scrape]:
+        replicas = await self.replicas(namespace, name)
+        return await scrape_urls({r.url: r.admin_url for r in replicas}, self.timeout)
+
+    async def replicas(self, namespace: str, name: str) -> list[Replica]:
         pods = await asyncio.to_thread(
             self.core.list_namespaced_pod,
             namespace,
             label_selector=resources.selector_string(name),
         )
-        urls = ready_pod_urls(pods.items, resources.PORT)
-        return await scrape_urls({u: on_port(u, resources.ADMIN_PORT) for u in urls}, self.timeout)
+        return [
+            Replica(pod, url, on_port(url, resources.ADMIN_PORT))
+            for pod, url in ready_pods(pods.items, resources.PORT)
+        ]
 
 
-def ready_pod_urls(pods: Iterable[Any], port: int) -> list[str]:
-    """Base URLs of pods that are Ready, have an IP and are not terminating."""
-    urls = []
+def ready_pods(pods: Iterable[Any], port: int) -> list[tuple[str, str]]:
+    """(name, base URL) of pods that are Ready, have an IP and are not terminating."""
+    out = []
     for pod in pods:
         status = pod.status
         if pod.metadata.deletion_timestamp or not status or not status.pod_ip:
@@ -141,8 +164,13 @@ def ready_pod_urls(pods: Iterable[Any], port: int) -> list[str]:
         ready = any(c.type == "Ready" and c.status == "True" for c in status.conditions or [])
         if ready:
             host = f"[{status.pod_ip}]" if ":" in status.pod_ip else status.pod_ip
-            urls.append(f"http://{host}:{port}")
-    return sorted(urls)
+            out.append((pod.metadata.name, f"http://{host}:{port}"))
+    return sorted(out, key=lambda p: p[1])
+
+
+def ready_pod_urls(pods: Iterable[Any], port: int) -> list[str]:
+    """Base URLs of pods that are Ready, have an IP and are not terminating."""
+    return [url for _, url in ready_pods(pods, port)]
 
 
 # --------------------------------------------------------------------------- parsing
@@ -161,15 +189,55 @@ class Sample:
     counters: dict[str, float]
     buckets: dict[str, Buckets]
     kv_cache_dtype: str | None = None
+    lora: LoraInfo | None = None
+
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """One replica's adapters at one scrape: the slots, and the adapters of running and of
+    waiting requests."""
+
+    max_loras: int
+    running: frozenset[str]
+    waiting: frozenset[str]
+
+    @classmethod
+    def of(cls, labels: dict[str, str]) -> LoraInfo:
+        def names_of(key: str) -> frozenset[str]:
+            return frozenset(n for n in labels.get(key, "").split(",") if n)
+
+        return cls(
+            int(labels["max_lora"]),
+            names_of("running_lora_adapters"),
+            names_of("waiting_lora_adapters"),
+        )
+
+    def bottleneck(self, running_requests: float, max_num_seqs: float | None) -> bool:
+        """Do requests wait for adapters that find no slot, while batch slots are free?"""
+        starved = bool(self.waiting - self.running) and len(self.running) >= self.max_loras
+        return starved and max_num_seqs is not None and running_requests < max_num_seqs
+
+
+def _newest_lora(samples: list) -> LoraInfo | None:
+    """None when absent or unreadable: the LoRA law then sees nothing, the others still
+    do (the whole scrape is not lost to one odd family)."""
+    newest = max(samples, key=lambda s: s.value, default=None)
+    try:
+        return LoraInfo.of(newest.labels) if newest is not None else None
+    except (KeyError, ValueError):
+        return None
 
 
 def parse_metrics(text: str, now: float) -> Sample:
     gauges: dict[str, float] = {}
     counters: dict[str, float] = {}
     buckets: dict[str, dict[float, float]] = {h: {} for h in HISTOGRAMS}
-    kv_dtype = None
+    kv_dtype = lora = None
     try:
         for family in text_string_to_metric_families(text):
+            if family.name == names.LORA_REQUESTS_INFO:
+                lora = _newest_lora(family.samples)
+                continue
             for s in family.samples:
                 if s.name in GAUGES:
                     gauges[s.name] = gauges.get(s.name, 0.0) + s.value
@@ -191,6 +259,7 @@ def parse_metrics(text: str, now: float) -> Sample:
         counters=counters,
         buckets={h: tuple(sorted(b.items())) for h, b in buckets.items()},
         kv_cache_dtype=kv_dtype,
+        lora=lora,
     )
 
 
@@ -273,6 +342,10 @@ class Window:
     max_num_seqs: dict[str, int] = field(default_factory=dict)  # replica URL -> in force
     max_num_batched_tokens: dict[str, int] = field(default_factory=dict)
     kv_cache_dtype: dict[str, str] = field(default_factory=dict)
+    # The share of scrapes in which requests waited for an adapter with every LoRA slot
+    # taken and batch slots free (LoraInfo.bottleneck); a mean over replicas when merged.
+    lora_bottleneck: float = 0.0
+    max_loras: dict[str, int] = field(default_factory=dict)  # replica URL -> in force
 
     @property
     def ttft_p99(self) -> float | None:
@@ -332,6 +405,13 @@ def replica_window(url: str, samples: Sequence[Sample]) -> Window:
 
     mns = last.gauges.get(names.MAX_NUM_SEQS_METRIC)
     budget = last.gauges.get(names.MAX_NUM_BATCHED_TOKENS_METRIC)
+    starved = [
+        s.lora.bottleneck(
+            s.gauges.get(names.NUM_REQUESTS_RUNNING, 0.0), s.gauges.get(names.MAX_NUM_SEQS_METRIC)
+        )
+        for s in samples
+        if s.lora is not None
+    ]
     return Window(
         replicas=1,
         span_seconds=span,
@@ -351,6 +431,8 @@ def replica_window(url: str, samples: Sequence[Sample]) -> Window:
         max_num_seqs={url: int(mns)} if mns is not None else {},
         max_num_batched_tokens={url: int(budget)} if budget is not None else {},
         kv_cache_dtype={url: last.kv_cache_dtype} if last.kv_cache_dtype else {},
+        lora_bottleneck=sum(starved) / len(starved) if starved else 0.0,
+        max_loras={url: last.lora.max_loras} if last.lora else {},
     )
 
 
@@ -376,6 +458,9 @@ def merge_windows(windows: Sequence[Window]) -> Window | None:
         max_num_seqs={k: v for w in windows for k, v in w.max_num_seqs.items()},
         max_num_batched_tokens={k: v for w in windows for k, v in w.max_num_batched_tokens.items()},
         kv_cache_dtype={k: v for w in windows for k, v in w.kv_cache_dtype.items()},
+        lora_bottleneck=sum(w.lora_bottleneck * w.replicas for w in windows)
+        / max(1, sum(w.replicas for w in windows)),
+        max_loras={k: v for w in windows for k, v in w.max_loras.items()},
     )
 
 

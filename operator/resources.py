@@ -11,12 +11,15 @@ import base64
 import hashlib
 import hmac
 import json
+import math
 import posixpath
+import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 from batchpilot import names
 from batchpilot.operator.crd import API_VERSION, KIND, EngineSpec, InferenceServiceSpec, TokenRange
-from batchpilot.operator.flags import BOOL_KNOBS, ENGINE_KNOBS
+from batchpilot.operator.flags import BOOL_KNOBS, ENABLE_LORA, ENGINE_KNOBS, LORA_KNOBS
 from batchpilot.operator.tuner_state import settings_from_status
 
 PORT = names.DEFAULT_PORT
@@ -27,6 +30,9 @@ ADMIN_PORT_NAME = "admin"
 CONTAINER = "server"
 MODEL_VOLUME = "model"
 MODEL_MOUNT_ROOT = "/models"
+# Volumes of adapter claims other than the model's: named after a hash of the claim, so
+# that reordering or adding adapters leaves the other volumes' names, and the pods, alone.
+ADAPTER_VOLUME_PREFIX = "adapters-"
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -67,7 +73,16 @@ GRACE_MARGIN_SECONDS = 15
 # service's ConfigMap: a tuned value changes the ConfigMap, never the pod template, so it
 # rolls nothing (running pods get it live through /admin/config).
 MAX_NUM_SEQS_ENV = "BATCHPILOT_MAX_NUM_SEQS"
-RESERVED_ENV = frozenset([names.ADMIN_TOKEN_ENV, MAX_NUM_SEQS_ENV])
+RESERVED_ENV = frozenset([names.ADMIN_TOKEN_ENV, MAX_NUM_SEQS_ENV, names.LORA_MODULES_ENV])
+# spec.adapters reach new pods through this ConfigMap key (--preload-lora-modules' variable):
+# a new replica starts serving them, and a change of the list rolls nothing (running pods
+# get it through their admin API).
+LORA_MODULES_KEY = "lora-modules"
+# A CPU pod's thread budget (server/cpu_budget.py): from its CPU limit, else its request.
+# The server reads a limit itself (the CFS quota), but not a request, which leaves it no
+# quota: without this variable a pod requesting 2 CPUs on a 64-CPU node ran 64 threads. Not
+# set where the user's pod.env sets it or OMP_NUM_THREADS: theirs wins.
+CPU_THREADS_OVERRIDES = frozenset([names.CPU_THREADS_ENV, "OMP_NUM_THREADS"])
 
 HPA_METRIC = names.NUM_REQUESTS_WAITING
 KEDA_API_VERSION = "keda.sh/v1alpha1"
@@ -113,6 +128,7 @@ class LoopState:
     max_num_seqs: int | None = None
     kv_cache_dtype: str | None = None
     max_num_batched_tokens: int | None = None
+    max_loras: int | None = None
 
     @classmethod
     def from_status(cls, status: dict | None) -> LoopState:
@@ -123,6 +139,7 @@ class LoopState:
             max_num_seqs=tuned.max_num_seqs if tuned else None,
             kv_cache_dtype=tuned.kv_cache_dtype if tuned else None,
             max_num_batched_tokens=tuned.max_num_batched_tokens if tuned else None,
+            max_loras=tuned.max_loras if tuned else None,
         )
 
 
@@ -137,18 +154,46 @@ def _clamp(v: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, v))
 
 
+@dataclass(frozen=True)
+class AdapterPlan:
+    name: str
+    path: str  # what the server's load_lora_adapter is sent
+    pvc: str | None = None  # claim mounted read-only at MODEL_MOUNT_ROOT/<claim>
+
+
+def resolve_source(source: str) -> tuple[str, str | None]:
+    """(the path in the container, the claim to mount) of a model or adapter source. A path
+    and an hf:// id are the server's to resolve (hf:// from the HF cache, offline)."""
+    if not source.startswith("pvc://"):
+        return source, None
+    claim, _, sub = source.removeprefix("pvc://").partition("/")
+    root = f"{MODEL_MOUNT_ROOT}/{claim}"
+    path = posixpath.normpath(posixpath.join(root, sub))
+    if path != root and not path.startswith(root + "/"):  # "pvc://c/../../etc"
+        path = root
+    return path, claim
+
+
 def plan_model(spec: InferenceServiceSpec) -> ModelPlan:
     source = spec.model.source
     if source == "bundled":
         return ModelPlan("bundled", spec.model.name or names.DEFAULT_SERVED_MODEL_NAME)
-    if source.startswith("pvc://"):
-        claim, _, sub = source.removeprefix("pvc://").partition("/")
-        root = f"{MODEL_MOUNT_ROOT}/{claim}"
-        path = posixpath.normpath(posixpath.join(root, sub))
-        if path != root and not path.startswith(root + "/"):  # "pvc://c/../../etc"
-            path = root
-        return ModelPlan(path, spec.model.name or _default_name(path), pvc=claim)
-    return ModelPlan(source, spec.model.name or _default_name(source))
+    path, claim = resolve_source(source)
+    return ModelPlan(path, spec.model.name or _default_name(path), pvc=claim)
+
+
+def plan_adapters(spec: InferenceServiceSpec) -> list[AdapterPlan]:
+    return [AdapterPlan(a.name, *resolve_source(a.source)) for a in spec.adapters]
+
+
+def lora_enabled(spec: InferenceServiceSpec) -> bool:
+    return spec.engine.enable_lora or bool(spec.adapters)
+
+
+def adapter_claims(spec: InferenceServiceSpec) -> list[str]:
+    """Claims the adapters need beyond the model's, each once, sorted."""
+    model = plan_model(spec).pvc
+    return sorted({p.pvc for p in plan_adapters(spec) if p.pvc and p.pvc != model})
 
 
 def _default_name(source: str) -> str:
@@ -170,11 +215,12 @@ def desired_replicas(spec: InferenceServiceSpec, loops: LoopState) -> int:
 
 
 def effective_engine(spec: InferenceServiceSpec, loops: LoopState) -> EngineSpec:
-    """spec.engine with the tuner's decisions applied, within spec.tuning's bounds."""
+    """spec.engine with the tuner's decisions applied, within spec.tuning's bounds; LoRA on
+    whenever the spec has adapters."""
     t = spec.tuning
+    update: dict = {"enable_lora": True} if lora_enabled(spec) else {}
     if not t.enabled:
-        return spec.engine
-    update: dict = {}
+        return spec.engine.model_copy(update=update) if update else spec.engine
     if loops.max_num_seqs is not None:
         update["max_num_seqs"] = _clamp(loops.max_num_seqs, t.max_num_seqs.min, t.max_num_seqs.max)
     if loops.kv_cache_dtype is not None and (
@@ -186,6 +232,8 @@ def effective_engine(spec: InferenceServiceSpec, loops: LoopState) -> EngineSpec
         # Nothing decided and nothing asked: the budget the pods start with stays.
         value = loops.max_num_batched_tokens or spec.engine.max_num_batched_tokens or budget.max
         update["max_num_batched_tokens"] = _clamp(value, budget.min, budget.max)
+    if loops.max_loras is not None and t.max_loras is not None:
+        update["max_loras"] = _clamp(loops.max_loras, t.max_loras.min, t.max_loras.max)
     return spec.engine.model_copy(update=update) if update else spec.engine
 
 
@@ -225,11 +273,20 @@ def _num(v: float | int) -> str:
     return str(v) if isinstance(v, int) else f"{v:g}"
 
 
+def engine_knobs(engine: EngineSpec) -> tuple[names.Knob, ...]:
+    """The knobs a pod template sets: LoRA's only with LoRA on, so that a service without
+    adapters keeps its template (and its pods) across an operator upgrade."""
+    return (*ENGINE_KNOBS, *LORA_KNOBS) if engine.enable_lora else ENGINE_KNOBS
+
+
 def engine_args(engine: EngineSpec, *, live_max_num_seqs: bool = False) -> list[str]:
     """The engine flags; with ``live_max_num_seqs`` (the tuner on) --max-num-seqs reads the
-    ConfigMap-backed variable, which Kubernetes expands in args."""
-    args = ["--dtype", engine.dtype]
-    for knob in ENGINE_KNOBS:
+    ConfigMap-backed variable, which Kubernetes expands in args. The adapters themselves are
+    never flags (no --lora-modules): new pods read them from the ConfigMap and running ones
+    get them through their admin API, so adding or removing one never changes the
+    template."""
+    args = ["--dtype", engine.dtype] + ([ENABLE_LORA] if engine.enable_lora else [])
+    for knob in engine_knobs(engine):
         value = getattr(engine, _field(knob))
         if value is None:
             continue
@@ -268,7 +325,7 @@ def engine_settings(engine: EngineSpec) -> dict:
     """The engine settings a pod template puts in force, camelCase like status.engine: what
     the Deployment records in its ANN_ENGINE annotation and status reads back."""
     out = {}
-    for knob in ENGINE_KNOBS:
+    for knob in engine_knobs(engine):
         value = getattr(engine, _field(knob))
         if value is not None:
             out[knob.crd_field] = value
@@ -373,12 +430,15 @@ def build_secret(owner: Owner, token: str) -> dict:
 
 
 def build_config_map(owner: Owner, spec: InferenceServiceSpec, engine: EngineSpec) -> dict:
-    """The engine settings the tuner changes without a rollout: new pods read max_num_seqs
-    here; a tuned max_num_batched_tokens is only recorded, for humans (pods start at the
-    range's max and the loop sets it live)."""
+    """What new pods read without a rollout: the tuner's max_num_seqs and the adapters to
+    start with; a tuned max_num_batched_tokens is only recorded, for humans (pods start at
+    the range's max and the loop sets it live)."""
     data = {names.MAX_NUM_SEQS.name: str(engine.max_num_seqs)}
     if tuned_step_budget(spec) is not None:
         data[names.MAX_NUM_BATCHED_TOKENS.name] = str(engine.max_num_batched_tokens)
+    if lora_enabled(spec):
+        modules = [{"name": a.name, "path": a.path} for a in plan_adapters(spec)]
+        data[LORA_MODULES_KEY] = json.dumps(modules, separators=(",", ":"))
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -515,28 +575,87 @@ def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
 
 def server_env(owner: Owner, spec: InferenceServiceSpec, token: str) -> list[dict]:
     """The admin token from the owned Secret, the writable places, max_num_seqs from the
-    ConfigMap (tuner on), what the model source needs, then the user's."""
+    ConfigMap (tuner on), what the model source needs, a CPU pod's threads, then the
+    user's."""
     ref = {"name": secret_name(owner.name, token), "key": SECRET_TOKEN_KEY}
     env = [{"name": names.ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}}]
     env += [{"name": k, "value": v} for k, v in SCRATCH_ENV]
     if spec.tuning.enabled:
         ref = {"name": config_map_name(owner.name), "key": names.MAX_NUM_SEQS.name}
         env.append({"name": MAX_NUM_SEQS_ENV, "valueFrom": {"configMapKeyRef": ref}})
-    if spec.model.source.startswith("hf://"):
+    # With LoRA on, whatever the adapters' sources: adding an hf:// adapter must not change
+    # the template (and nothing in the server downloads anyway).
+    if spec.model.source.startswith("hf://") or lora_enabled(spec):
         env.append({"name": "HF_HUB_OFFLINE", "value": "1"})  # pre-cached: never download
+    if lora_enabled(spec):
+        # optional: a pod made before the operator wrote the key starts without adapters
+        # (its sync loads them) rather than failing to start.
+        ref = {"name": config_map_name(owner.name), "key": LORA_MODULES_KEY, "optional": True}
+        env.append({"name": names.LORA_MODULES_ENV, "valueFrom": {"configMapKeyRef": ref}})
+    if (threads := cpu_threads(spec)) is not None:
+        env.append({"name": names.CPU_THREADS_ENV, "value": str(threads)})
     return env + [e.to_api() for e in spec.pod.env]
 
 
+_QUANTITY = re.compile(
+    r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?"
+)
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+
+
+def parse_quantity(value: int | str) -> Fraction | None:
+    """A Kubernetes quantity ("2", "1500m", "0.5", "1e3", "2Gi") as an exact number; None
+    where it cannot be read."""
+    m = _QUANTITY.fullmatch(str(value).strip())
+    if m is None:
+        return None
+    number, suffix = Fraction(m[1]), m[2] or ""
+    if suffix.endswith("i"):
+        return number * 1024 ** ("KMGTPE".index(suffix[0]) + 1)
+    if suffix[:1] in ("e", "E") and len(suffix) > 1:
+        return number * Fraction(10) ** int(suffix[1:])
+    return number * Fraction(10) ** _DECIMAL[suffix]
+
+
+def gpu_pod(spec: InferenceServiceSpec) -> bool:
+    """Asks for a GPU: some `<vendor>/gpu` resource (nvidia.com/gpu, amd.com/gpu) above 0."""
+    resources = {**spec.resources.requests, **spec.resources.limits}
+    return any(name.endswith("/gpu") and (parse_quantity(q) or 0) > 0
+               for name, q in resources.items())  # fmt: skip
+
+
+def cpu_threads(spec: InferenceServiceSpec) -> int | None:
+    """A CPU pod's threads: its CPU limit, else its request, rounded up (at least 1). None
+    for GPU pods, without a CPU amount, or where pod.env sets the threads itself."""
+    if gpu_pod(spec) or any(e.name in CPU_THREADS_OVERRIDES for e in spec.pod.env):
+        return None
+    cpu = spec.resources.limits.get("cpu", spec.resources.requests.get("cpu"))
+    cpus = parse_quantity(cpu) if cpu is not None else None
+    return max(1, math.ceil(cpus)) if cpus is not None and cpus > 0 else None
+
+
+def adapter_volume_name(claim: str) -> str:
+    return ADAPTER_VOLUME_PREFIX + hashlib.sha256(claim.encode()).hexdigest()[:12]
+
+
+def _claim_volume(volume: str, claim: str) -> tuple[dict, dict]:
+    """A claim, read-only, and its mount at MODEL_MOUNT_ROOT/<claim>."""
+    source = {"claimName": claim, "readOnly": True}
+    mount = {"name": volume, "mountPath": f"{MODEL_MOUNT_ROOT}/{claim}", "readOnly": True}
+    return {"name": volume, "persistentVolumeClaim": source}, mount
+
+
 def model_volumes(spec: InferenceServiceSpec, model: ModelPlan) -> tuple[list, list]:
-    """(volumes, the server's mounts): the scratch emptyDirs, a pvc:// model's claim
-    (read-only), then the user's."""
+    """(volumes, the server's mounts): the scratch emptyDirs, a pvc:// model's claim, the
+    adapters' other claims (each once, read-only), then the user's."""
     volumes = [{"name": n, "emptyDir": {}} for n, _ in SCRATCH_VOLUMES]
     mounts = [{"name": n, "mountPath": path} for n, path in SCRATCH_VOLUMES]
-    if model.pvc:
-        claim = {"claimName": model.pvc, "readOnly": True}
-        volumes.append({"name": MODEL_VOLUME, "persistentVolumeClaim": claim})
-        mount = {"name": MODEL_VOLUME, "mountPath": f"{MODEL_MOUNT_ROOT}/{model.pvc}"}
-        mounts.append({**mount, "readOnly": True})
+    claims = [(MODEL_VOLUME, model.pvc)] if model.pvc else []
+    claims += [(adapter_volume_name(c), c) for c in adapter_claims(spec)]
+    for volume, claim in claims:
+        v, m = _claim_volume(volume, claim)
+        volumes.append(v)
+        mounts.append(m)
     return volumes + list(spec.pod.volumes), mounts + list(spec.pod.volume_mounts)
 
 

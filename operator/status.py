@@ -6,8 +6,9 @@ lastTransitionTime (kept while the status does not change) and observedGeneratio
 
 - Ready: enough replicas are ready to serve (True even mid-rollout: maxUnavailable is 0).
 - Progressing: a rollout is under way (False with RolloutComplete once it is done).
-- Degraded: the spec cannot be applied as is (InvalidSpec, ModelSourceNotFound, ...), or the
-  Deployment reports ReplicaFailure or ProgressDeadlineExceeded.
+- Degraded: the spec cannot be applied as is (InvalidSpec, ModelSourceNotFound, ...), the
+  Deployment reports ReplicaFailure or ProgressDeadlineExceeded, or a replica refused a LoRA
+  adapter (AdapterFailed, from status.adapters).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ NAME_CONFLICT = "NameConflict"
 APPLY_FAILED = "ApplyFailed"  # the API server refused the children (RBAC, a bad request)
 AUTOSCALER_NOT_SERVED = "AutoscalerNotServed"  # mode keda without KEDA's CRDs
 INFERENCE_POOL_NOT_SERVED = "InferencePoolNotServed"  # routing.inferencePool without GIE's CRDs
+ADAPTER_SOURCE_NOT_FOUND = "AdapterSourceNotFound"  # an adapter's pvc:// claim is missing
+# A replica refused an adapter (status.adapters says which and why): not a spec problem,
+# the adapter sync retries it.
+ADAPTER_FAILED = "AdapterFailed"
+MAX_ADAPTER_FAILURES_NAMED = 5
 SPEC_REASONS = frozenset(
     [
         INVALID_SPEC,
@@ -43,6 +49,7 @@ SPEC_REASONS = frozenset(
         APPLY_FAILED,
         AUTOSCALER_NOT_SERVED,
         INFERENCE_POOL_NOT_SERVED,
+        ADAPTER_SOURCE_NOT_FOUND,
     ]
 )
 
@@ -186,17 +193,35 @@ def progressing(d: DeploymentView | None, problem: Problem | None) -> tuple[bool
     )
 
 
-def degraded(d: DeploymentView | None, problem: Problem | None) -> tuple[bool, str, str]:
+def adapter_failures(prev: dict | None) -> str | None:
+    """The adapters some replica refused, from status.adapters (the adapter sync's), as one
+    message; None when none failed."""
+    failed = [
+        f"{a.get('name')} on {r.get('pod')}: {r.get('message', '')}"
+        for a in (prev or {}).get("adapters") or []
+        if isinstance(a, dict)
+        for r in a.get("replicas") or []
+        if isinstance(r, dict) and r.get("state") == "Failed"
+    ]
+    if not failed:
+        return None
+    more = len(failed) - MAX_ADAPTER_FAILURES_NAMED
+    tail = f"; and {more} more" if more > 0 else ""
+    return "adapter load failed: " + "; ".join(failed[:MAX_ADAPTER_FAILURES_NAMED]) + tail
+
+
+def degraded(
+    d: DeploymentView | None, problem: Problem | None, adapters_failed: str | None = None
+) -> tuple[bool, str, str]:
     if problem:
         return True, problem.reason, problem.message
     if d and d.replica_failure:
         return True, "ReplicaFailure", d.replica_failure
     if d and d.deadline_exceeded:
         return True, "ProgressDeadlineExceeded", d.deadline_exceeded
+    if adapters_failed:
+        return True, ADAPTER_FAILED, adapters_failed
     return False, "AsExpected", ""
-
-
-CONDITIONS = ((PROGRESSING, progressing), (DEGRADED, degraded))  # after Ready
 
 
 def loop_blind(prev: dict | None) -> tuple[bool, str, str] | None:
@@ -234,7 +259,10 @@ def compute_status(
         "selector": resources.selector_string(name),
         "conditions": [
             _condition(prev, READY, *ready(d, problem, to_activator), generation, now),
-            *(_condition(prev, t, *law(d, problem), generation, now) for t, law in CONDITIONS),
+            _condition(prev, PROGRESSING, *progressing(d, problem), generation, now),
+            _condition(
+                prev, DEGRADED, *degraded(d, problem, adapter_failures(prev)), generation, now
+            ),
         ],
     }
     blind = loop_blind(prev)

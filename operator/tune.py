@@ -18,7 +18,11 @@ replica (an average would hide one thrashing or slow replica of four):
 - KV cache full with a queue: fp8 when allowed;
 - slot-bound (slots busy, a queue, no thrash, ITL headroom): a higher max_num_seqs, no
   further than the KV cache holds at today's usage per sequence;
-- fp8 on while the KV cache would fit in 16 bits: back to the spec's dtype.
+- fp8 on while the KV cache would fit in 16 bits: back to the spec's dtype;
+- LoRA-bound (MaxLorasBottleneck: requests wait for adapters that find every LoRA slot
+  taken while batch slots are free, over most of the window): a higher max_loras within
+  tuning.maxLoras (a rolling restart); at the bound the tuner holds and says so, and the
+  autoscaler, which counts those requests as queue, scales out.
 The first candidate that no verdict forbids is tried. A rejected one is not tried again
 for a while that doubles with each rejection, so no rule can walk a setting down for good.
 """
@@ -73,6 +77,8 @@ class TuneLimits:
     retry_seconds: float = 900.0  # a rejected setting waits this, doubled per rejection
     max_retry_seconds: float = 4 * 3600.0
     outlier_factor: float = 2.0  # ITL P99 over this x the others' median: an outlier
+    lora_bottleneck_share: float = 0.5  # of the window's scrapes LoRA-bound (LoraInfo)
+    lora_raise_factor: float = 2.0  # a max_loras raise multiplies it by this
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,7 @@ class Signals:
     itl_p99: float | None  # worst replica with enough observations
     ttft_p99: float | None
     outliers: tuple[str, ...] = ()
+    lora_bottleneck: float = 0.0  # share of the window's scrapes LoRA-bound
 
     @classmethod
     def of(cls, service: Window, replicas: dict[str, Window], limits: TuneLimits) -> Signals:
@@ -107,6 +114,7 @@ class Signals:
             itl_p99=max(itls.values(), default=None),
             ttft_p99=max(ttfts, default=None),
             outliers=outliers(itls, limits.outlier_factor),
+            lora_bottleneck=service.lora_bottleneck,
         )
 
 
@@ -152,6 +160,8 @@ def inputs_of(s: Signals, service: Window, settings: EngineSettings) -> dict:
         out["ttftP99SecondsWorstReplica"] = round(s.ttft_p99, 4)
     if s.outliers:
         out["outlierReplicas"] = list(s.outliers)
+    if s.lora_bottleneck:
+        out["loraBottleneckShare"] = round(s.lora_bottleneck, 3)
     return out
 
 
@@ -171,6 +181,7 @@ class Rules:
             *self.latency(),
             *self.first_token(),
             *self.kv_full(),
+            *self.loras(),
             *self.slots(),
             *self.fp8_off(),
         ]
@@ -278,6 +289,27 @@ class Rules:
         )
         return [Candidate("raise", self._with(max_num_seqs=new), why)]
 
+    def lora_bound(self) -> str | None:
+        """Why max_loras is the bottleneck (MaxLorasBottleneck), or None."""
+        share = self.s.lora_bottleneck
+        if self.spec.tuning.max_loras is None or share < self.limits.lora_bottleneck_share:
+            return None
+        return (
+            f"MaxLorasBottleneck: in {share:.0%} of the window requests waited for adapters "
+            f"with all {self.settings.max_loras} LoRA slots taken and batch slots free"
+        )
+
+    def loras(self) -> list[Candidate]:
+        why, bounds, now = self.lora_bound(), self.spec.tuning.max_loras, self.settings.max_loras
+        if why is None or bounds is None or now is None:
+            return []
+        new = min(bounds.max, math.ceil(now * self.limits.lora_raise_factor))
+        if new <= now:
+            return []  # at the bound: _propose holds and says so; the autoscaler scales out
+        return [
+            Candidate("raise_loras", self._with(max_loras=new), f"{why}: max_loras {now} -> {new}")
+        ]
+
     def fp8_off(self) -> list[Candidate]:
         dtype, default = self.settings.kv_cache_dtype, self.spec.engine.kv_cache_dtype
         if not is_fp8(dtype) or is_fp8(default) or self.s.thrash > 0:
@@ -326,11 +358,13 @@ def runs(w: Window, url: str, settings: EngineSettings) -> bool:
     mns = w.max_num_seqs.get(url)
     dtype = w.kv_cache_dtype.get(url)
     budget = w.max_num_batched_tokens.get(url)
+    loras = w.max_loras.get(url)
     return (
         (mns is None or mns == settings.max_num_seqs)
         and (dtype is None or dtype == settings.kv_cache_dtype)
         and (budget is None or settings.max_num_batched_tokens is None
              or budget == settings.max_num_batched_tokens)
+        and (loras is None or settings.max_loras is None or loras == settings.max_loras)
     )  # fmt: skip
 
 
@@ -382,6 +416,10 @@ def _propose(view, spec, state, settings, now, limits):
         why = (
             f"{candidates[0].reason}, but that was tried and rejected {v.strikes} time(s) in a row"
         )
+        return _hold(state, settings, why, now, inputs)
+    rules = Rules(spec, settings, signals, limits, targets)
+    if (lora_bound := rules.lora_bound()) is not None:
+        why = f"{lora_bound}, and max_loras is at tuning.maxLoras.max: scaling out is the autoscaler's"
         return _hold(state, settings, why, now, inputs)
     return _hold(state, settings, "no rule applies: holding", now, inputs)
 

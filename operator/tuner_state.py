@@ -19,8 +19,9 @@ HISTORY_LENGTH = 20  # decisions kept in status.tuning.history
 VERDICTS_KEPT = 32  # verdicts remembered (the oldest ones are forgotten first)
 
 # What a change does. raise/lower: max_num_seqs; raise_budget/lower_budget: the step's
-# token budget (max_num_batched_tokens); fp8/fp8_off: the KV-cache dtype.
-Kind = Literal["raise", "lower", "raise_budget", "lower_budget", "fp8", "fp8_off"]
+# token budget (max_num_batched_tokens); fp8/fp8_off: the KV-cache dtype; raise_loras: the
+# adapters one batch may use (max_loras).
+Kind = Literal["raise", "lower", "raise_budget", "lower_budget", "fp8", "fp8_off", "raise_loras"]
 # trying: the experiment runs; canary: it runs on one replica; kept / reverted: judged;
 # abandoned: cut short (the replicas it ran on went away or stopped answering).
 Outcome = Literal["trying", "canary", "kept", "reverted", "abandoned"]
@@ -28,6 +29,7 @@ Outcome = Literal["trying", "canary", "kept", "reverted", "abandoned"]
 MNS = names.MAX_NUM_SEQS.crd_field
 KV = names.KV_CACHE_DTYPE.crd_field
 MNBT = names.MAX_NUM_BATCHED_TOKENS.crd_field
+MAX_LORAS = names.MAX_LORAS.crd_field
 
 
 def timestamp(t: float) -> str:
@@ -49,12 +51,15 @@ class EngineSettings:
     max_num_seqs: int
     kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int | None = None  # None: not tuned (the server's default)
+    max_loras: int | None = None  # None: not tuned (spec.engine.maxLoras)
 
     @property
     def key(self) -> str:
-        """A stable name, for verdicts and the capacity figure measured under them."""
+        """A stable name, for verdicts and the capacity figure measured under them (the
+        same as before max_loras existed while it is not tuned: verdicts stay valid)."""
         budget = self.max_num_batched_tokens or "default"
-        return f"maxNumSeqs={self.max_num_seqs},kvCacheDtype={self.kv_cache_dtype},maxNumBatchedTokens={budget}"
+        loras = f",maxLoras={self.max_loras}" if self.max_loras is not None else ""
+        return f"maxNumSeqs={self.max_num_seqs},kvCacheDtype={self.kv_cache_dtype},maxNumBatchedTokens={budget}{loras}"
 
     def live_changes(self, other: EngineSettings) -> dict:
         """What /admin/config must be sent to go from ``other`` to these settings."""
@@ -72,12 +77,19 @@ class EngineSettings:
         out: dict = {MNS: self.max_num_seqs, KV: self.kv_cache_dtype}
         if self.max_num_batched_tokens is not None:
             out[MNBT] = self.max_num_batched_tokens
+        if self.max_loras is not None:
+            out[MAX_LORAS] = self.max_loras
         return out
 
     @classmethod
     def from_status(cls, d: dict) -> EngineSettings:
-        budget = d.get(MNBT)
-        return cls(int(d[MNS]), str(d[KV]), int(budget) if budget is not None else None)
+        budget, loras = d.get(MNBT), d.get(MAX_LORAS)
+        return cls(
+            int(d[MNS]),
+            str(d[KV]),
+            int(budget) if budget is not None else None,
+            int(loras) if loras is not None else None,
+        )
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,14 @@
 
 The engine is not thread-safe, so exactly one thread (started here) builds it and calls
 it. The event loop only appends to hand-off lists under a lock; the engine thread drains
-them between steps, runs one step, and hands everything that step produced back with a
-single `loop.call_soon_threadsafe` -- once per step, not per token, so the event loop does
-not fight the engine thread for the GIL on every token, and a model step never blocks
-the event loop.
+them between steps, runs one turn (engine_core), and hands everything that step produced
+back with a single `loop.call_soon_threadsafe` -- once per step, not per token, so the
+event loop does not fight the engine thread for the GIL on every token, and a model step
+never blocks the event loop.
+
+With process=True the engine runs in a process of its own instead (engine_process, as
+vLLM v1's EngineCore): the same turns, fed and read through a pipe, so the engine and the
+HTTP side never take the GIL from each other.
 """
 
 import asyncio
@@ -13,10 +17,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from batchpilot.server.faults import MAX_CONSECUTIVE_STEP_FAILURES, StepFailed
+from batchpilot.server.engine_core import EngineCore, Turn
 from batchpilot.server.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -36,15 +40,13 @@ class RequestFailed(RuntimeError):
 
 @dataclass
 class StepResult:
-    """Everything one pass of the engine thread produced, delivered to the loop at once."""
+    """One turn of the engine, delivered to the loop at once, with its admissions and call
+    results matched back to their streams and futures (which never leave the loop's side)."""
 
-    outputs: list  # RequestOutput of this step
-    stats: EngineStats  # engine.stats() after the step
-    stepped: bool  # whether engine.step() ran (histograms of step sizes count only those)
-    time: float  # time.monotonic() when the step ended
-    admissions: list = field(default_factory=list)  # (RequestStream, exception or None)
-    aborted: list[str] = field(default_factory=list)
-    call_results: list = field(default_factory=list)  # (future, result, exception or None)
+    turn: Turn
+    admissions: list  # (RequestStream, exception or None)
+    call_results: list  # (future, result, exception or None)
+    config: Any = None  # the engine's config after this turn's calls (engine process only)
 
 
 class RequestStream:
@@ -117,20 +119,29 @@ def _coalesce(earlier, later):
 
 class AsyncEngine:
     def __init__(
-        self, make_engine: Callable[[], Any], on_step: Callable[[StepResult], None] | None = None
+        self,
+        make_engine: Callable[[], Any],
+        on_step: Callable[[Turn], None] | None = None,
+        *,
+        process: bool = False,
+        setup_process: Callable[[], None] | None = None,
     ):
         """make_engine runs on the engine thread, so that the thread that calls the engine
-        is also the one that built it. on_step runs on the event loop after each step."""
+        is also the one that built it; with process=True it runs in the engine process
+        (after setup_process), and it and every call's fn must pickle. on_step(turn) runs on
+        the event loop after each turn."""
         self._make_engine = make_engine
         self._on_step = on_step
+        self._process = process
+        self._setup_process = setup_process
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._adds: list[tuple[RequestStream, list[tuple[str, Any, Any]], float]] = []
+        # (stream, its requests, arrival time, the LoRA adapter of them all or None)
+        self._adds: list[tuple[RequestStream, list[tuple[str, Any, Any]], float, str | None]] = []
         self._aborts: list[str] = []
         self._calls: list[tuple[asyncio.Future, Callable[[Any], Any]]] = []
         self._stopping = False
-        self._failed_steps = 0  # in a row; engine thread only
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         # Touched only on the event loop thread.
         self._streams: dict[str, RequestStream] = {}
@@ -146,8 +157,13 @@ class AsyncEngine:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.loaded = self._loop.create_future()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self._thread.start()
+        if self._process:
+            from batchpilot.server.engine_process import EngineProcess
+
+            self._threads = EngineProcess(self).start()
+        else:
+            self._threads = [threading.Thread(target=self._run, name="engine", daemon=True)]
+            self._threads[0].start()
 
     @property
     def is_loaded(self) -> bool:
@@ -160,10 +176,12 @@ class AsyncEngine:
         waiting = self.stats.num_waiting if self.stats is not None else 0
         return waiting + self._num_submitted_not_added
 
-    async def submit(self, requests: list[tuple[str, Any, Any]]) -> RequestStream:
-        """requests: (request_id, prompt or token ids, SamplingParams). Returns once the
-        engine accepted them all; raises the engine's rejection (RequestRejected, a
-        ValueError) if it refused any, in which case none of them runs."""
+    async def submit(self, requests: list[tuple[str, Any, Any]], lora_name: str | None = None
+                     ) -> RequestStream:  # fmt: skip
+        """requests: (request_id, prompt or token ids, SamplingParams), all for the LoRA
+        adapter lora_name (None: the base model). Returns once the engine accepted them
+        all; raises the engine's rejection (RequestRejected, a ValueError) if it refused
+        any, in which case none of them runs."""
         if self.failure is not None:
             raise EngineFailed(f"the engine failed: {self.failure!r}")
         if not self.is_loaded:
@@ -173,7 +191,7 @@ class AsyncEngine:
             self._streams[rid] = stream
         self._num_submitted_not_added += len(requests)
         with self._lock:
-            self._adds.append((stream, requests, time.monotonic()))
+            self._adds.append((stream, requests, time.monotonic(), lora_name))
         self._wake.set()
         try:
             await asyncio.shield(stream.admitted)
@@ -206,8 +224,8 @@ class AsyncEngine:
         self._end_streams(EngineFailed("the server shut down before this request finished"))
         self._stopping = True
         self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30)
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join, 30)
 
     def _forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -228,12 +246,15 @@ class AsyncEngine:
                 future.set_result(value)
             else:
                 future.set_exception(error)
-        self.stats = result.stats
-        for out in result.outputs:
+        turn = result.turn
+        self.stats = turn.stats
+        if result.config is not None:
+            self.config = result.config
+        for out in turn.outputs:
             if out.error is not None and out.request_id in self._streams:
                 self._fail_request(self._streams[out.request_id], out.error)
         by_stream: dict[int, tuple[RequestStream, list]] = {}
-        for out in result.outputs:
+        for out in turn.outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted by its client in the meantime
@@ -243,7 +264,7 @@ class AsyncEngine:
         for stream, outs in by_stream.values():
             stream.put(outs)
         if self._on_step is not None:
-            self._on_step(result)
+            self._on_step(turn)
 
     def _fail_request(self, stream: RequestStream, message: str) -> None:
         """One of stream's requests failed: the client gets the error, not fewer choices,
@@ -273,7 +294,25 @@ class AsyncEngine:
             stream.fail(error)
         self.abort(request_ids)
 
-    # ---- engine thread ---------------------------------------------------------------
+    # ---- engine thread (or the engine process's pipe threads) ------------------------
+
+    def _take(self) -> tuple[list, list[str], list]:
+        """What the event loop handed over since the last turn."""
+        with self._lock:
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, []
+            calls, self._calls = self._calls, []
+            self._wake.clear()
+        return adds, aborts, calls
+
+    @staticmethod
+    def _result(turn: Turn, adds: list, calls: list, config=None) -> StepResult:
+        """The turn, its admissions and call results matched back to their streams and
+        futures (a turn keeps the order they were handed over in)."""
+        admissions = [(add[0], error) for add, error in zip(adds, turn.admissions, strict=True)]
+        results = [(call[0], value, error)
+                   for call, (value, error) in zip(calls, turn.call_results, strict=True)]  # fmt: skip
+        return StepResult(turn, admissions, results, config)
 
     def _run(self) -> None:
         loop = self._loop
@@ -285,70 +324,18 @@ class AsyncEngine:
             loop.call_soon_threadsafe(self._failed, e, True)
             return
         try:
-            self._serve(engine)
+            self._serve(EngineCore(engine))
         except BaseException as e:
             logger.exception("the engine failed; no further requests can be served")
             loop.call_soon_threadsafe(self._failed, e, False)
 
-    def _serve(self, engine) -> None:
-        loop = self._loop
+    def _serve(self, core: EngineCore) -> None:
         while True:
-            with self._lock:
-                adds, self._adds = self._adds, []
-                aborts, self._aborts = self._aborts, []
-                calls, self._calls = self._calls, []
-                self._wake.clear()
-            if not (adds or aborts or calls) and not engine.has_unfinished_requests():
+            adds, aborts, calls = self._take()
+            if not (adds or aborts or calls) and not core.has_work():
                 if self._stopping:
                     return
                 self._wake.wait()
                 continue
-            admissions = [
-                (stream, self._add(engine, requests, arrival)) for stream, requests, arrival in adds
-            ]
-            for rid in aborts:
-                engine.abort_request(rid)
-            call_results = [self._call(engine, future, fn) for future, fn in calls]
-            stepped = engine.has_unfinished_requests()
-            outputs = self._step(engine) if stepped else []
-            result = StepResult(
-                outputs, engine.stats(), stepped, time.monotonic(), admissions, aborts, call_results
-            )
-            loop.call_soon_threadsafe(self._deliver, result)
-
-    def _step(self, engine) -> list:
-        """engine.step(); a failed step hands back its batch's error outputs, and only
-        MAX_CONSECUTIVE_STEP_FAILURES in a row end the engine (StepFailed escapes)."""
-        try:
-            outputs = engine.step()
-        except StepFailed as failed:
-            self._failed_steps += 1
-            logger.error("an engine step failed (%d in a row; %d end the engine); its "
-                         "requests fail, the others go on", self._failed_steps,
-                         MAX_CONSECUTIVE_STEP_FAILURES, exc_info=failed.__cause__)  # fmt: skip
-            if self._failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
-                raise
-            return failed.outputs
-        self._failed_steps = 0
-        return outputs
-
-    @staticmethod
-    def _add(engine, requests, arrival: float) -> BaseException | None:
-        added = []
-        try:
-            for rid, prompt, params in requests:
-                engine.add_request(rid, prompt, params, arrival_time=arrival)
-                added.append(rid)
-        except Exception as e:
-            # All or nothing: a half-admitted request would return fewer choices than asked.
-            for rid in added:
-                engine.abort_request(rid)
-            return e
-        return None
-
-    @staticmethod
-    def _call(engine, future, fn):
-        try:
-            return future, fn(engine), None
-        except Exception as e:
-            return future, None, e
+            turn = core.turn([add[1:] for add in adds], aborts, [fn for _, fn in calls])
+            self._loop.call_soon_threadsafe(self._deliver, self._result(turn, adds, calls))

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from batchpilot import names
 
 GiB = 1 << 30
+# Loaded adapters are never evicted and reloaded from disk (vLLM does that, with its
+# default of max_loras): a default as small would refuse a service's second adapter.
+DEFAULT_MAX_CPU_LORAS = 32
 # A CPU computes a 2048-token step in over a second: when 16 closed-loop requests arrive
 # together, their prefills filled one such step and every stream waited for it (guidellm:
 # TTFT 1.7-2.0 s against 0.15 s alone); 512 spreads them over shorter steps (0.68-0.75 s,
@@ -69,8 +72,11 @@ class EngineConfig:
     enable_chunked_prefill: bool = knob(True, "split long prompts over steps")
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of shared prompt prefixes")
     attention_backend: str = knob("auto", "auto: Triton kernels on CUDA GPUs that support "
-                                  "them (sm80+), else the torch reference; torch forces the "
-                                  "reference", choices=("auto", "torch", "triton"))  # fmt: skip
+                                  "them (sm80+); on CPUs the C++ decode kernel or the torch "
+                                  "reference, whichever a timing at start-up finds faster "
+                                  "(cached per machine); torch, triton and cpu_kernel force "
+                                  "one",
+                                  choices=("auto", "torch", "triton", "cpu_kernel"))  # fmt: skip
     cuda_graphs: bool = knob(False, "replay decode-only steps from CUDA graphs captured at "
                              "bucketed batch sizes (CUDA with Triton attention)")  # fmt: skip
     # "static" admits a whole batch only when the previous one has finished: it exists
@@ -84,6 +90,17 @@ class EngineConfig:
                               "distribution, or the one each token was drawn from (after "
                               "logit_bias, penalties, temperature, min_p, top-k/top-p)",
                               choices=("raw_logprobs", "processed_logprobs"))  # fmt: skip
+    enable_lora: bool = knob(False, "serve PEFT LoRA adapters over the base model "
+                             "(implied by --lora-modules)")  # fmt: skip
+    max_loras: int = knob(1, "most distinct adapters in one step (their weights are held on "
+                          "the device)")  # fmt: skip
+    max_lora_rank: int = knob(16, "highest adapter rank accepted; the device slots are sized "
+                              "for it")  # fmt: skip
+    max_cpu_loras: int | None = knob(None, "most adapters loaded at once, held in host "
+                                     "memory (default: 32, or max_loras if larger)")  # fmt: skip
+    cpu_threads: int | None = knob(None, "torch threads on CPU (default: from the cgroup CPU "
+                                   "quota capped by the CPU affinity; $BATCHPILOT_CPU_THREADS, "
+                                   "then $OMP_NUM_THREADS, override that default)")  # fmt: skip
     served_model_name: str | None = knob(
         None, f"name clients use (default: {names.DEFAULT_SERVED_MODEL_NAME} for the bundled "
         "model, else the model path's last component)"
@@ -106,6 +123,11 @@ class EngineConfig:
              "kv_cache_memory must be > 0"),
             (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
              "max_num_batched_tokens must be >= 1"),
+            (1 <= self.max_loras <= 256, "max_loras must be in [1, 256]"),
+            (1 <= self.max_lora_rank <= 512, "max_lora_rank must be in [1, 512]"),
+            (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+             "max_cpu_loras must be >= max_loras"),
+            (self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1"),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:
@@ -130,6 +152,11 @@ class EngineConfig:
                 f"({self.max_model_len}) needs --enable-chunked-prefill: a prompt would never fit"
             )
         self.apply_live_change({})
+
+    @property
+    def lora_capacity(self) -> int:
+        """The most adapters loaded at once: max_cpu_loras, or its default."""
+        return self.max_cpu_loras or max(self.max_loras, DEFAULT_MAX_CPU_LORAS)
 
     def live_change(self, changes: dict, max_num_seqs_limit: int | None = None,
                     max_step_tokens: int | None = None) -> dict:  # fmt: skip

@@ -5,17 +5,20 @@ appends the tokens and finishes sequences, and the output processor turns them i
 text and RequestOutputs. Not thread-safe: exactly one thread drives it (the server's
 engine thread, or LLM.generate offline)."""
 
-import os
 import random
 from collections.abc import Callable
 
 import torch
 
 from batchpilot.server.config import EngineConfig
+from batchpilot.server.cpu_budget import cpu_threads
 from batchpilot.server.device import resolve_device, resolve_dtype
 from batchpilot.server.faults import StepFailed
 from batchpilot.server.kv.block_pool import BlockPool, SwapSpace
 from batchpilot.server.kv.manager import KVCacheManager, cdiv
+from batchpilot.server.lora import LoRAError, LoRAInUse
+from batchpilot.server.lora.registry import LoRARegistry
+from batchpilot.server.lora.slots import module_shapes
 from batchpilot.server.model.loader import LOAD_STAGES, load_model
 from batchpilot.server.model.runner import ModelRunner, ModelRunnerOutput
 from batchpilot.server.output_processor import OutputProcessor
@@ -38,7 +41,7 @@ class LLMEngine:
         stage = on_stage or (lambda name: None)
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(len(os.sched_getaffinity(0)))
+            torch.set_num_threads(cpu_threads(config.cpu_threads))
         loaded = load_model(config, resolve_dtype(config.dtype, self.device), self.device, stage)
         self.tokenizer, self.vocab_size = loaded.tokenizer, loaded.vocab_size
         stage(LOAD_STAGES[2])
@@ -51,6 +54,11 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.scheduler = Scheduler(config, self.kv_manager, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.loras = None
+        if config.enable_lora:
+            self.loras = LoRARegistry(module_shapes(loaded.decoder), len(loaded.decoder.layers),
+                                      config.max_lora_rank,
+                                      config.lora_capacity)  # fmt: skip
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []  # returned by the next step
         # Unseeded requests get their seed from here: the OS unless --seed fixes the series.
@@ -64,21 +72,60 @@ class LLMEngine:
                                      pool.num_blocks - self.kv_manager.watermark_blocks)  # fmt: skip
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict,
-                    params: SamplingParams, arrival_time: float | None = None) -> None:  # fmt: skip
+                    params: SamplingParams, arrival_time: float | None = None,
+                    lora_name: str | None = None) -> None:  # fmt: skip
         """prompt: text, token ids, or vLLM's TokensPrompt {"prompt_token_ids": [...]} with
         an optional "prompt" text (kept for echo): how the server hands over prompts it has
-        tokenized already, so the engine thread never tokenizes for it."""
+        tokenized already, so the engine thread never tokenizes for it. lora_name: a loaded
+        adapter to run it with (None: the base model)."""
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_parts(prompt)
         self._check_fits(ids, params)
+        lora = self._adapter(lora_name)
         params.update_from_eos(self.eos_token_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         generator = torch.Generator(self.device).manual_seed(seed)
-        seq = Sequence(request_id, text, ids, params, arrival_time, generator)
+        seq = Sequence(request_id, text, ids, params, arrival_time, generator, lora)
         self.seqs[request_id] = seq
         self.output_processor.add(seq)
         self.scheduler.add(seq)
+
+    def _adapter(self, name: str | None):
+        if name is None:
+            return None
+        if self.loras is None:
+            raise RequestRejected(f"adapter {name!r} asked for but LoRA is not enabled")
+        try:
+            return self.loras.get(name)
+        except LoRAError as e:
+            raise RequestRejected(str(e)) from e
+
+    # ---- adapters (between steps, on the engine thread) ---------------------------------
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load and check a PEFT adapter; LoRAError says why it cannot serve."""
+        if self.loras is None:
+            raise LoRAError("LoRA is not enabled: start the server with --enable-lora")
+        self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter; LoRAInUse while requests for it are waiting or running."""
+        if self.loras is None:
+            raise LoRAError("LoRA is not enabled: start the server with --enable-lora")
+        adapter = self.loras.get(name)
+        in_flight = sum(1 for seq in self.seqs.values() if seq.lora is adapter)
+        if in_flight:
+            raise LoRAInUse(f"The lora adapter '{name}' has {in_flight} requests in flight; "
+                            "unload it once they finish")  # fmt: skip
+        self.loras.remove(name)
+        self.runner.lora_slots.forget(adapter)
+
+    def list_loras(self) -> list[str]:
+        return list(self.loras.adapters) if self.loras else []
+
+    def lora_paths(self) -> dict[str, str]:
+        return {name: a.path for name, a in self.loras.adapters.items()} if self.loras else {}
 
     def _prompt_parts(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

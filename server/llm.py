@@ -23,6 +23,10 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter directory under name (needs enable_lora=True)."""
+        self.engine.add_lora(name, path)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody holds, as vLLM's LLM.reset_prefix_cache."""
         self.engine.kv_manager.pool.reset_prefix_cache()
@@ -32,20 +36,24 @@ class LLM:
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
+        """lora: an adapter loaded with add_lora for every prompt, or one per prompt (None:
+        the base model); vLLM passes a LoRARequest in its place."""
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(params) != len(prompts) or len(loras) != len(prompts):
+            raise ValueError("sampling_params and lora must be one value or one per prompt")
         order: list[tuple[int, int]] = []
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        for i, (prompt, p, name) in enumerate(zip(prompts, params, loras, strict=True)):
             if isinstance(prompt, dict):
                 prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
             for j in range(p.n):
                 sub = p if p.n == 1 or p.seed is None else _with_seed(p, p.seed + j)
-                self.engine.add_request(f"offline-{i}-{j}", prompt, sub)
+                self.engine.add_request(f"offline-{i}-{j}", prompt, sub, lora_name=name)
                 order.append((i, j))
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="generate", disable=not use_tqdm) as bar:

@@ -3,7 +3,9 @@
 Order of service: swapped sequences come back first, then running sequences keep
 going (decodes before prefill chunks, so a long prompt cannot stall them), then
 waiting requests are admitted FCFS while `max_num_seqs`, the token budget
-`max_num_batched_tokens` and free blocks allow. When blocks run out, the newest
+`max_num_batched_tokens`, free blocks and `max_loras` (distinct adapters running) allow.
+A request whose adapter would be one too many holds the queue behind it, so no adapter
+starves: the running adapters drain and its turn comes. When blocks run out, the newest
 running sequence is preempted: swapped to CPU, or freed for recompute.
 
 After the forward pass, `postprocess` appends the sampled tokens and finishes sequences
@@ -154,6 +156,7 @@ class Scheduler:
             self.swapped
             and len(self.running) < self.config.max_num_seqs
             and self.kv.can_swap_in(self.swapped[0])
+            and self._lora_fits(self.swapped[0])
         ):
             seq = self.swapped.popleft()
             out.swap_in.extend(self.kv.swap_in(seq))
@@ -203,6 +206,13 @@ class Scheduler:
             seq.status = Status.PREEMPTED
             self.waiting.appendleft(seq)
 
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Running seq keeps the step within max_loras distinct adapters."""
+        if seq.lora is None:
+            return True
+        running = {s.lora.cache_root for s in self.running if s.lora is not None}
+        return seq.lora.cache_root in running or len(running) < self.config.max_loras
+
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         # Static batching admits its whole batch at once; the prompts are then prefilled
         # over as many steps as the token budget needs.
@@ -222,7 +232,7 @@ class Scheduler:
                 if not static:
                     break
                 n = 0
-            if not self.kv.can_admit(seq, blocks):
+            if not self.kv.can_admit(seq, blocks) or not self._lora_fits(seq):
                 break
             self.waiting.popleft()
             self.counters.prefix_cache_queries += seq.num_tokens

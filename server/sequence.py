@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 
 from batchpilot.server.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # logprobs.py imports torch; the API and scheduler modules must not
+if TYPE_CHECKING:  # these import torch; the API and scheduler modules must not
     from batchpilot.server.logprobs import PromptLogprobs, SampleLogprobs
+    from batchpilot.server.lora.adapter import LoRAAdapter
 
 
 class Status(enum.Enum):
@@ -39,8 +40,10 @@ class Sequence:
         params: SamplingParams,
         arrival_time: float | None = None,
         generator=None,
+        lora: "LoRAAdapter | None" = None,
     ):
-        """generator: the torch.Generator this request samples from (unused when greedy)."""
+        """generator: the torch.Generator this request samples from (unused when greedy);
+        lora: the adapter it runs with (None: the base model)."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -61,6 +64,13 @@ class Sequence:
         self.num_preemptions = 0
         self.timings = Timings() if arrival_time is None else Timings(arrival_time)
         self.generator = generator
+        self.lora = lora
+
+    @property
+    def cache_root(self) -> bytes | None:
+        """The parent of its first KV block's key: its adapter's, so that no block is
+        shared across adapters or with the base model."""
+        return self.lora.cache_root if self.lora is not None else None
 
     @property
     def num_tokens(self) -> int:

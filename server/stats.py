@@ -27,6 +27,9 @@ class EngineStats(SchedulerCounters):
     kv_cache_dtype: str
     block_size: int
     max_concurrency: float  # max_model_len-token sequences the KV cache holds at once
+    max_lora: int = 0  # 0 with LoRA off
+    running_lora_adapters: list[str] = dataclasses.field(default_factory=list)  # sorted
+    waiting_lora_adapters: list[str] = dataclasses.field(default_factory=list)  # and swapped
 
 
 def engine_stats(scheduler: Scheduler, config: EngineConfig) -> EngineStats:
@@ -46,5 +49,12 @@ def engine_stats(scheduler: Scheduler, config: EngineConfig) -> EngineStats:
         kv_cache_dtype=config.kv_cache_dtype,
         block_size=config.block_size,
         max_concurrency=pool.num_blocks / cdiv(config.max_model_len, config.block_size),
+        max_lora=config.max_loras if config.enable_lora else 0,
+        running_lora_adapters=_adapters(scheduler.running),
+        waiting_lora_adapters=_adapters([*scheduler.waiting, *scheduler.swapped]),
         **dataclasses.asdict(scheduler.counters),
     )
+
+
+def _adapters(seqs) -> list[str]:
+    return sorted({seq.lora.name for seq in seqs if seq.lora is not None})

@@ -10,8 +10,10 @@ from batchpilot.server.model.loader import resolve_source
 
 
 def make_tiny_llama(path: str | Path, seed: int = 0, model_type: str = "llama",
-                    **config_overrides) -> str:  # fmt: skip
-    """model_type: any Llama-family type transformers knows (llama, mistral, qwen2)."""
+                    random_norms: bool = False, **config_overrides) -> str:  # fmt: skip
+    """model_type: any family the decoder runs (llama, mistral, qwen2, qwen3, gemma).
+    random_norms: RMSNorm weights moved off their identity init (ones; zeros for Gemma's
+    1 + w), so a wrong norm formula or a norm weight left uncopied changes the tokens."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -39,6 +41,11 @@ def make_tiny_llama(path: str | Path, seed: int = 0, model_type: str = "llama",
     settings.update(config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings))
+    if random_norms:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.add_(0.3 * torch.randn_like(param))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

@@ -5,6 +5,7 @@ Disabled (404, as if absent) unless an admin token is configured; 401 without th
 EngineConfig.live_change decides what may change and how.
 """
 
+import functools
 import json
 import logging
 
@@ -35,6 +36,13 @@ def _config_in_force(engine) -> dict:
     return engine.config.public()
 
 
+def _apply_changes(changes: dict, engine) -> dict:
+    """On the engine thread (or process), between two steps: the settings before."""
+    before = engine.config.public()
+    engine.apply_live_change(changes)
+    return before
+
+
 @router.get("/admin/config")
 async def get_config(ctx: ServerContext = Depends(require_admin)) -> dict:
     return await ctx.engine.call(_config_in_force)
@@ -49,13 +57,8 @@ async def patch_config(request: Request, ctx: ServerContext = Depends(require_ad
     if not isinstance(changes, dict):
         raise APIError(400, "The body must be a JSON object of settings to change")
 
-    def apply(engine) -> dict:  # on the engine thread, between two steps
-        before = engine.config.public()
-        engine.apply_live_change(changes)
-        return before
-
     try:
-        before = await ctx.engine.call(apply)
+        before = await ctx.engine.call(functools.partial(_apply_changes, changes))
     except ConfigError as e:
         raise APIError(400, str(e)) from e
     for name, value in changes.items():

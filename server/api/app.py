@@ -10,6 +10,7 @@ when an admin token is configured.
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -18,9 +19,10 @@ import uvicorn
 from fastapi import FastAPI
 
 from batchpilot import __version__, names
-from batchpilot.server.api import admin, chat, completions, probes, tokenize
+from batchpilot.server.api import admin, chat, completions, lora, probes, tokenize
 from batchpilot.server.api.auth import ApiKeyMiddleware
 from batchpilot.server.api.body_limit import BodyLimitMiddleware
+from batchpilot.server.api.cli import LoRAModule
 from batchpilot.server.api.context import ServerContext
 from batchpilot.server.api.errors import install_error_handlers
 from batchpilot.server.api.lifecycle import DrainingServer, GateMiddleware, Lifecycle
@@ -52,24 +54,35 @@ def build_app(
     log_stats_interval: float = 0.0,
     on_loaded: Callable[[AsyncEngine], None] | None = None,
     on_load_failed: Callable[[BaseException], None] | None = None,
+    lora_modules: tuple[LoRAModule, ...] = (),
+    preload_lora_modules: tuple[LoRAModule, ...] = (),
+    engine_process: bool = False,
 ) -> FastAPI:
     """The public app. make_engine() -> LLMEngine runs on the engine thread when the app
-    starts; app.state.context is what build_admin_app shares."""
+    starts (in the engine process, with engine_process), and loads lora_modules;
+    app.state.context is what build_admin_app shares."""
     metrics: ServerMetrics | None = None
 
     def on_step(step) -> None:
         metrics.observe_step(step)
 
-    engine = AsyncEngine(make_engine, on_step)
+    engine = AsyncEngine(make_engine, on_step, process=engine_process,
+                         setup_process=configure_logging)  # fmt: skip
     metrics = ServerMetrics(served_model_name, lambda: engine.stats)
     lifecycle = Lifecycle()
     context = ServerContext(engine, lifecycle, metrics, served_model_name, admin_token,
                             max_queue_len, stream_stall_timeout)  # fmt: skip
+    # Known before they load: until then every request gets 503, and a failed load ends
+    # the server.
+    context.loras.update((m.name, m) for m in lora_modules)
+    for module in preload_lora_modules:  # in load order, as /v1/models lists them
+        context.loras.setdefault(module.name, module)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        tasks = [asyncio.create_task(_after_load(engine, on_loaded, on_load_failed))]
+        tasks = [asyncio.create_task(_after_load(engine, on_loaded, on_load_failed,
+                                                 context, preload_lora_modules))]  # fmt: skip
         if log_stats_interval > 0:
             tasks.append(asyncio.create_task(log_stats_forever(lambda: engine.stats,
                                                                log_stats_interval)))  # fmt: skip
@@ -93,11 +106,13 @@ def build_app(
 
 
 def build_admin_app(context: ServerContext) -> FastAPI:
-    """/admin/* for the operator, over the public app's engine; its own token guards it."""
+    """/admin/* and the LoRA load/unload routes for the operator, over the public app's
+    engine; its own token guards them."""
     app = FastAPI(title="batchpilot admin", version=__version__, openapi_url=None)
     app.state.context = context
     install_error_handlers(app)
     app.include_router(admin.router)
+    app.include_router(lora.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=ADMIN_BODY_BYTES)
     return app
 
@@ -110,9 +125,11 @@ class SideServer(uvicorn.Server):
         return contextlib.nullcontext()
 
 
-async def _after_load(engine: AsyncEngine, on_loaded, on_load_failed) -> None:
+async def _after_load(engine: AsyncEngine, on_loaded, on_load_failed, context: ServerContext,
+                      preloaded: tuple[LoRAModule, ...]) -> None:  # fmt: skip
     try:
         await engine.loaded
+        await lora.forget_unloaded(context, preloaded)
     except BaseException as e:
         if on_load_failed is not None:
             on_load_failed(e)
@@ -146,6 +163,18 @@ def configure_logging() -> None:
     )
 
 
+def _make_engine(config, lora_modules: tuple[LoRAModule, ...],
+                 preload_lora_modules: tuple[LoRAModule, ...], served: str):  # fmt: skip
+    """The engine `serve` runs (module-level, so that it pickles to an engine process)."""
+    from batchpilot.server.engine import LLMEngine
+
+    with loading_progress(served) as on_stage:
+        engine = LLMEngine(config, on_stage=on_stage)
+    lora.load_at_start(engine, lora_modules, served)
+    lora.preload(engine, preload_lora_modules, served)
+    return engine
+
+
 def serve(args) -> int:
     configure_logging()
     try:
@@ -155,15 +184,14 @@ def serve(args) -> int:
         return 2
     served = args.served_model_name or default_served_model_name(args.model)
     config.served_model_name = served
+    preload = tuple(m for m in args.preload_lora_modules if m not in args.lora_modules)
+    config.enable_lora = config.enable_lora or bool(args.lora_modules) or bool(preload)
     url = f"http://{args.host}:{args.port}"
     failed: list[BaseException] = []
     server: DrainingServer | None = None
 
-    def make_engine():
-        from batchpilot.server.engine import LLMEngine
-
-        with loading_progress(served) as on_stage:
-            return LLMEngine(config, on_stage=on_stage)
+    make_engine = functools.partial(_make_engine, config, tuple(args.lora_modules), preload,
+                                    served)  # fmt: skip
 
     def on_loaded(engine: AsyncEngine) -> None:
         logger.info(ready_line(url, served, engine.config, engine.stats))
@@ -185,6 +213,9 @@ def serve(args) -> int:
         log_stats_interval=args.log_stats_interval,
         on_loaded=on_loaded,
         on_load_failed=on_load_failed,
+        lora_modules=tuple(args.lora_modules),
+        preload_lora_modules=preload,
+        engine_process=args.engine_process,
     )
 
     async def end_remaining() -> None:

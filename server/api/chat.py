@@ -50,7 +50,7 @@ def render_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  ctx: ServerContext = Depends(get_context)):  # fmt: skip
-    model = check_model(ctx, body.model)
+    model, lora_name = check_model(ctx, body.model)
     require_engine(ctx)
     tokenizer, max_model_len = ctx.engine.tokenizer, ctx.engine.config.max_model_len
     check_messages(tokenizer, max_model_len, body.messages)
@@ -59,4 +59,4 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = max(1, max_model_len - len(prompt))
-    return await respond(ctx, request, body, CHAT, model, [prompt], max_tokens)
+    return await respond(ctx, request, body, CHAT, model, [prompt], max_tokens, lora_name=lora_name)

@@ -27,7 +27,7 @@ COMPLETIONS = Endpoint("cmpl", "text_completion", "text_completion", r.completio
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request,
                             ctx: ServerContext = Depends(get_context)):  # fmt: skip
-    model = check_model(ctx, body.model)
+    model, lora_name = check_model(ctx, body.model)
     require_engine(ctx)
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     if max_tokens == 0 and not body.echo:
@@ -36,4 +36,4 @@ async def create_completion(body: CompletionRequest, request: Request,
     prompts = await completion_prompts(ctx.engine.tokenizer, ctx.engine.config.max_model_len,
                                        body.prompts())  # fmt: skip
     return await respond(ctx, request, body, COMPLETIONS, model, prompts, max_tokens,
-                         echo=body.echo)  # fmt: skip
+                         echo=body.echo, lora_name=lora_name)  # fmt: skip

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from batchpilot.server.api.cli import LoRAModule
 from batchpilot.server.api.lifecycle import Lifecycle
 from batchpilot.server.api.metrics import ServerMetrics
 from batchpilot.server.async_engine import AsyncEngine
@@ -20,6 +21,8 @@ class ServerContext:
     max_queue_len: int
     stream_stall_timeout: float  # seconds one SSE write may wait for a slow reader
     created: int = field(default_factory=lambda: int(time.time()))
+    # The LoRA adapters the engine serves, by name, in load order (server/api/lora.py).
+    loras: dict[str, LoRAModule] = field(default_factory=dict)
 
 
 def get_context(request: Request) -> ServerContext:

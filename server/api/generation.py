@@ -19,11 +19,14 @@ from batchpilot.server.async_engine import (
 RETRY_AFTER_SECONDS = 1
 
 
-def check_model(ctx: ServerContext, requested: str | None) -> str:
-    if requested is not None and requested != ctx.served_model_name:
-        raise APIError(400, f"The model `{requested}` does not exist. This server serves "
-                       f"`{ctx.served_model_name}`.", "model")  # fmt: skip
-    return ctx.served_model_name
+def check_model(ctx: ServerContext, requested: str | None) -> tuple[str, str | None]:
+    """-> (the model responses name, the LoRA adapter to run or None for the base model).
+    An adapter is chosen by its name in `model`, as in vLLM."""
+    if requested is None or requested == ctx.served_model_name:
+        return ctx.served_model_name, None
+    if requested in ctx.loras:
+        return requested, requested
+    raise APIError(400, f"The model `{requested}` does not exist.", "model")
 
 
 def require_engine(ctx: ServerContext) -> None:
@@ -33,8 +36,10 @@ def require_engine(ctx: ServerContext) -> None:
         raise APIError(503, "The model is still loading", headers={"Retry-After": "5"})
 
 
-async def start(ctx: ServerContext, requests: list[tuple]) -> RequestStream:
-    """Hand the engine requests over; the HTTP errors for everything that can refuse them."""
+async def start(ctx: ServerContext, requests: list[tuple], lora_name: str | None = None
+                ) -> RequestStream:  # fmt: skip
+    """Hand the engine requests over, all for the base model or all for adapter lora_name;
+    the HTTP errors for everything that can refuse them."""
     engine = ctx.engine
     require_engine(ctx)
     # Counted in sequences (prompts x n), as the engine queues them, and refused whole.
@@ -46,12 +51,12 @@ async def start(ctx: ServerContext, requests: list[tuple]) -> RequestStream:
                        f"this request adds {len(requests)}; the limit is {ctx.max_queue_len}). "
                        "Retry later.", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})  # fmt: skip
     try:
-        return await engine.submit(requests)
+        return await engine.submit(requests, lora_name)
     except EngineNotReady as e:
         raise APIError(503, str(e)) from e
     except EngineFailed as e:
         raise APIError(500, str(e)) from e
-    except ValueError as e:  # RequestRejected and SamplingParams checks
+    except ValueError as e:  # RequestRejected (e.g. an adapter since unloaded), SamplingParams
         raise APIError(400, str(e)) from e
 
 

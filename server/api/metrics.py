@@ -2,9 +2,10 @@
 
 Gauges and counters are read from the engine's EngineStats at scrape time by a custom collector,
 so they are never staler than the last engine step. Histograms are observed on the event
-loop from each step's outputs (one call per step, see async_engine.StepResult).
+loop from each step's outputs (one call per step, see engine_core.Turn).
 """
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -103,6 +104,22 @@ class EngineStatsCollector:
             config.add_metric([self._model_name, str(stats.block_size), stats.kv_cache_dtype,
                                str(stats.num_kv_blocks)], 1.0)  # fmt: skip
         yield config
+        if stats is not None and stats.max_lora > 0:  # max_lora is 0 with LoRA off
+            yield lora_requests_info(stats)
+
+
+def lora_requests_info(stats: EngineStats) -> GaugeMetricFamily:
+    """vLLM's gauge: the adapters with running and waiting requests as comma-joined labels,
+    the value the time of the update, so that a reader of several label sets takes the
+    newest (GIE's picker does). vLLM keeps every label set it ever set; read at scrape time,
+    this family has only the current one. Its labels are vLLM's exactly (no model_name), so
+    that what reads vLLM's series reads this one unchanged."""
+    family = GaugeMetricFamily(names.LORA_REQUESTS_INFO, "Running stats on lora requests.",
+                               labels=["max_lora", "running_lora_adapters",
+                                       "waiting_lora_adapters"])  # fmt: skip
+    family.add_metric([str(stats.max_lora), ",".join(sorted(stats.running_lora_adapters)),
+                       ",".join(sorted(stats.waiting_lora_adapters))], time.time())  # fmt: skip
+    return family
 
 
 class ServerMetrics:
@@ -129,7 +146,7 @@ class ServerMetrics:
         self._last_token_time: dict[str, float] = {}
 
     def observe_step(self, step) -> None:
-        """Called on the event loop with each async_engine.StepResult."""
+        """Called on the event loop with each engine_core.Turn."""
         if step.stepped:
             self.iteration_tokens.observe(step.stats.last_step_num_tokens)
             self.batch_size.observe(step.stats.last_step_batch_size)

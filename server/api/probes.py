@@ -38,4 +38,5 @@ async def metrics(ctx: ServerContext = Depends(get_context)) -> Response:
 @router.get("/v1/models")
 async def models(ctx: ServerContext = Depends(get_context)) -> dict:
     require_engine(ctx)
-    return r.model_list(ctx.served_model_name, ctx.engine.config.max_model_len, ctx.created)
+    return r.model_list(ctx.served_model_name, ctx.engine.config.max_model_len, ctx.created,
+                        ctx.loras.values())  # fmt: skip

@@ -75,18 +75,24 @@ def chunk(kind: str, request_id: str, model: str, created: int, choices: list[di
     return body
 
 
-def model_list(model: str, max_model_len: int, created: int) -> dict:
+def model_list(model: str, max_model_len: int, created: int, adapters=()) -> dict:
+    """The served model, then each LoRA adapter (cli.LoRAModule) as vLLM lists one: its
+    directory as root, its base model as parent."""
+    cards = [_model_card(model, model, None, max_model_len, created)]
+    for a in adapters:
+        parent = a.base_model_name or model
+        cards.append(_model_card(a.name, a.path, parent, max_model_len, created))
+    return {"object": "list", "data": cards}
+
+
+def _model_card(id_: str, root: str, parent: str | None, max_model_len: int,
+                created: int) -> dict:  # fmt: skip
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": model,
-                "object": "model",
-                "created": created,
-                "owned_by": "batchpilot",
-                "root": model,
-                "parent": None,
-                "max_model_len": max_model_len,
-            }
-        ],
+        "id": id_,
+        "object": "model",
+        "created": created,
+        "owned_by": "batchpilot",
+        "root": root,
+        "parent": parent,
+        "max_model_len": max_model_len,
     }

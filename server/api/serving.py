@@ -56,7 +56,8 @@ class Reply:
 
 
 async def respond(ctx: ServerContext, request: Request, body, endpoint: Endpoint, model: str,
-                  prompts: list, max_tokens: int, echo: bool = False):  # fmt: skip
+                  prompts: list, max_tokens: int, echo: bool = False,
+                  lora_name: str | None = None):  # fmt: skip
     base_id = r.new_id(endpoint.id_prefix)
     # Choice index = prompt index * n + sample index, as OpenAI numbers a batch. With
     # max_tokens 0 one token is generated and dropped, as vLLM does.
@@ -65,7 +66,7 @@ async def respond(ctx: ServerContext, request: Request, body, endpoint: Endpoint
         for p, prompt in enumerate(prompts)
         for i in range(body.n)
     ]
-    stream = await start(ctx, requests)
+    stream = await start(ctx, requests, lora_name)
     index = {rid: i for i, (rid, _, _) in enumerate(requests)}
     reply = Reply(endpoint, base_id, model, int(time.time()), index, body.n, body.include_usage,
                   body, ctx.engine.tokenizer, echo, echo and max_tokens == 0)  # fmt: skip

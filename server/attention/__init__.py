@@ -16,13 +16,19 @@ from batchpilot.server.kv.cache import FP8_DTYPES
 
 
 def resolve_backend(name: str, device: torch.device, kv_cache_dtype: str) -> str:
-    """auto: triton on CUDA GPUs it supports, torch elsewhere. tl.dot on bf16 needs
+    """auto: triton on CUDA GPUs it supports, torch elsewhere (on CPU the runner then asks
+    cpu_decode.choose whether its kernel or torch decodes). cpu_kernel: the CPU decode
+    kernel, forced (CPU only). tl.dot on bf16 needs
     Ampere (sm80); Triton's fp8 e4m3 type needs Ada or Hopper (sm89). Under
     TRITON_INTERPRET=1 (set by the kernel tests for the whole test session) kernels run
     interpreted on the CPU, so auto keeps a GPU engine on torch."""
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     if name == "torch":
         return "torch"
+    if name == "cpu_kernel":
+        if device.type != "cpu":
+            raise ValueError("attention_backend cpu_kernel needs the CPU device")
+        return "cpu_kernel"
     if name == "triton":
         if device.type != "cuda" and not interpreting:
             raise ValueError("attention_backend triton needs a CUDA device (or TRITON_INTERPRET=1)")
@@ -42,7 +48,7 @@ def build_attention_metadata(backend: str, seqs: list[tuple[list[int], int, int]
         return build_triton_metadata(
             seqs, num_decodes, block_size, num_kv_heads, num_sms(device), device
         )
-    return build_metadata(seqs, num_decodes, block_size, dtype, device)
+    return build_metadata(seqs, num_decodes, block_size, dtype, device, backend == "cpu_kernel")
 
 
 def attention(q, k, v, kv, layer: int, meta: AttentionMetadata | TritonMetadata,

@@ -4,11 +4,22 @@ The torch path gathers every decoding sequence's blocks into a padded copy per l
 (`KVCache.read`) before two batched matmuls; this kernel walks the block table instead,
 with the softmax fused and fp32 accumulation, one (sequence, KV head) per task. It is
 compiled on first use with torch.utils.cpp_extension; where that fails (no compiler,
-no headers) `load()` returns None once and the torch path runs."""
+no headers) `load()` returns None once and the torch path runs.
 
+The kernel does not win everywhere (float32 on an AVX-512 Xeon without AVX512-BF16: 452
+against 417 ms per 40-sequence step), so `choose()` times both paths on the model's
+shapes when an engine starts and keeps the verdict in a file beside the kernel's build,
+keyed by everything the verdict depends on; later starts read it."""
+
+import contextlib
 import functools
 import hashlib
+import json
 import logging
+import os
+import statistics
+import time
+from pathlib import Path
 
 import torch
 
@@ -128,14 +139,17 @@ def load():
     another kind of CPU never loads code built for instructions it lacks."""
     from torch.utils.cpp_extension import load_inline
 
-    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
     try:
         log.info("building the CPU decode attention kernel (cached after the first time)")
-        return load_inline(f"batchpilot_cpu_decode_{flags}", cpp_sources=SOURCE,
+        return load_inline(f"batchpilot_cpu_decode_{_flags_digest()}", cpp_sources=SOURCE,
                            functions=["paged_decode"], extra_cflags=CFLAGS)  # fmt: skip
     except Exception as exc:  # any build failure: the torch path is always correct
         log.warning("CPU decode attention kernel unavailable, using torch: %s", exc)
         return None
+
+
+def _flags_digest() -> str:
+    return hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
 
 
 def paged_decode(q, k_cache, v_cache, tables, lens, block_size: int, scale: float):
@@ -146,3 +160,126 @@ def paged_decode(q, k_cache, v_cache, tables, lens, block_size: int, scale: floa
 def usable(kv, q: torch.Tensor) -> bool:
     """On CPU, with K/V stored in the model dtype (FP8 caches dequantize in torch)."""
     return q.device.type == "cpu" and not kv.is_fp8 and load() is not None
+
+
+# ---- kernel or torch, chosen by measurement ---------------------------------------------
+
+# The timed batch: decode steps of this many sequences at this context, one layer's call.
+TIMED_SEQS, TIMED_CONTEXT = 32, 512
+TIMING_BUDGET_S = 1.0  # the interleaved repeats after one warm-up call of each
+MIN_REPEATS, MAX_REPEATS = 3, 9
+
+
+def choose(requested: str, num_heads: int, num_kv_heads: int, head_dim: int,
+           dtype: torch.dtype, block_size: int, kv_cache_dtype: str) -> str:  # fmt: skip
+    """The CPU decode path of an engine: "cpu_kernel" or "torch". requested is the
+    attention_backend knob: torch and cpu_kernel force a path, auto takes the verdict
+    cached for these shapes or measures it now."""
+    from batchpilot.server.kv.cache import FP8_DTYPES
+
+    if requested == "torch":
+        return "torch"
+    fp8 = kv_cache_dtype in FP8_DTYPES
+    if requested == "cpu_kernel":
+        if fp8:
+            raise ValueError("attention_backend cpu_kernel reads K/V in the model dtype: an "
+                             "fp8 kv_cache_dtype needs torch or auto")  # fmt: skip
+        if load() is None:
+            raise ValueError("attention_backend cpu_kernel: the CPU decode kernel could not "
+                             "be built (see the warning above)")  # fmt: skip
+        log.info("CPU decode attention: the kernel (attention_backend=cpu_kernel)")
+        return "cpu_kernel"
+    if fp8 or load() is None:
+        return "torch"
+    shapes = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                  dtype=str(dtype).removeprefix("torch."), block_size=block_size)  # fmt: skip
+    key = verdict_key(shapes)
+    path = verdict_dir() / f"decode-verdict-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    verdict, source = _read_verdict(path, key), "cached"
+    if verdict is None:
+        kernel_ms, torch_ms = time_both(num_heads, num_kv_heads, head_dim, dtype, block_size)
+        choice = "cpu_kernel" if kernel_ms < torch_ms else "torch"
+        verdict = {"key": key, "choice": choice, "kernel_ms": kernel_ms, "torch_ms": torch_ms}
+        source = "measured" if _write_verdict(path, verdict) else "measured, not cached"
+    log.info("CPU decode attention: kernel %.2f ms vs torch %.2f ms per layer at %d sequences "
+             "x %d tokens (%s); using %s (%s)", verdict["kernel_ms"], verdict["torch_ms"],
+             TIMED_SEQS, TIMED_CONTEXT, shapes["dtype"],
+             "the kernel" if verdict["choice"] == "cpu_kernel" else "torch", source)  # fmt: skip
+    return verdict["choice"]
+
+
+def verdict_key(shapes: dict) -> str:
+    """Everything a verdict depends on: the kernel's code and flags, the CPU, torch, the
+    threads it runs on, and the model's attention shapes."""
+    code = hashlib.sha256((SOURCE + " ".join(CFLAGS)).encode()).hexdigest()[:12]
+    parts = dict(code=code, cpu_flags=_flags_digest(), torch=torch.__version__,
+                 threads=torch.get_num_threads(), seqs=TIMED_SEQS, context=TIMED_CONTEXT,
+                 **shapes)  # fmt: skip
+    return json.dumps(parts, sort_keys=True)
+
+
+def verdict_dir() -> Path:
+    """The kernel's build directory (torch's extensions cache, one per CPU-flag set)."""
+    return Path(load().__file__).parent
+
+
+def _read_verdict(path: Path, key: str) -> dict | None:
+    try:
+        verdict = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = verdict.get("key") == key and verdict.get("choice") in ("cpu_kernel", "torch")
+    return verdict if ok else None
+
+
+def _write_verdict(path: Path, verdict: dict) -> bool:
+    """Atomically (engines starting together may race); False where the cache is read-only."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(verdict, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("CPU decode attention: cannot cache the verdict in %s: %s", path.parent, exc)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        return False
+    return True
+
+
+@torch.inference_mode()
+def time_both(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+              block_size: int) -> tuple[float, float]:  # fmt: skip
+    """Median ms of one layer's decode attention through the kernel and through torch
+    (the engine's own paged_attention, K/V write included), TIMED_SEQS sequences of
+    TIMED_CONTEXT tokens on scrambled blocks; calls interleaved so drifting load from
+    other processes hits both alike."""
+    from batchpilot.server.attention.metadata import build_metadata
+    from batchpilot.server.attention.paged import paged_attention
+    from batchpilot.server.kv.cache import KVCache
+
+    cpu = torch.device("cpu")
+    per_seq = -(-TIMED_CONTEXT // block_size)
+    num_blocks = TIMED_SEQS * per_seq
+    kv = KVCache(1, num_blocks, 0, block_size, num_kv_heads, head_dim, dtype, "auto", cpu)
+    gen = torch.Generator().manual_seed(0)
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=gen))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=gen))
+    order = torch.randperm(num_blocks, generator=gen).view(TIMED_SEQS, per_seq).tolist()
+    seqs = [(table, TIMED_CONTEXT - 1, 1) for table in order]
+    q = torch.randn(TIMED_SEQS, num_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(TIMED_SEQS, num_kv_heads, head_dim, generator=gen).to(dtype)
+    metas = {kernel: build_metadata(seqs, TIMED_SEQS, block_size, dtype, cpu, kernel)
+             for kernel in (True, False)}  # fmt: skip
+
+    def once(kernel: bool) -> float:
+        start = time.perf_counter()
+        paged_attention(q, k, k, kv, 0, metas[kernel], head_dim**-0.5)
+        return time.perf_counter() - start
+
+    warm = once(True) + once(False)
+    repeats = min(MAX_REPEATS, max(MIN_REPEATS, int(TIMING_BUDGET_S / max(warm, 1e-6))))
+    taken = {True: [], False: []}
+    for i in range(repeats):
+        for kernel in (True, False) if i % 2 == 0 else (False, True):
+            taken[kernel].append(once(kernel))
+    return statistics.median(taken[True]) * 1e3, statistics.median(taken[False]) * 1e3

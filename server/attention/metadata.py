@@ -41,6 +41,7 @@ class AttentionMetadata:
     num_decodes: int
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    cpu_kernel: bool = False  # decodes through cpu_decode's kernel (attention_backend)
 
 
 def _block_table(tables: list[list[int]], context_lens: list[int], block_size: int):
@@ -68,15 +69,18 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def build_metadata(seqs: list[tuple[list[int], int, int]], num_decodes: int, block_size: int,
-                   dtype: torch.dtype, device) -> AttentionMetadata:  # fmt: skip
-    """seqs: (block_table, num_computed_tokens, num_new_tokens), decodes first."""
+                   dtype: torch.dtype, device,
+                   cpu_kernel: bool = False) -> AttentionMetadata:  # fmt: skip
+    """seqs: (block_table, num_computed_tokens, num_new_tokens), decodes first; cpu_kernel:
+    decodes read K/V in place through the CPU kernel."""
     slot_mapping = []
     for table, start, n in seqs:
         for p in range(start, start + n):
             slot_mapping.append(table[p // block_size] * block_size + p % block_size)
     meta = AttentionMetadata(
-        torch.tensor(slot_mapping, dtype=torch.long, device=device), num_decodes
-    )
+        torch.tensor(slot_mapping, dtype=torch.long, device=device), num_decodes,
+        cpu_kernel=cpu_kernel,
+    )  # fmt: skip
     decodes, prefills = seqs[:num_decodes], seqs[num_decodes:]
     for start, end in _buckets([start + n for _, start, n in decodes], block_size):
         group = decodes[start:end]

@@ -23,7 +23,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCac
     kv_heads = k.shape[1]
     group = num_heads // kv_heads
     out = q.new_empty(num_tokens, num_heads * dim)
-    in_place = bool(meta.decode_buckets) and cpu_decode.usable(kv, q)
+    in_place = meta.cpu_kernel and bool(meta.decode_buckets) and cpu_decode.usable(kv, q)
     for bucket in meta.decode_buckets:
         n = bucket.end - bucket.start
         if in_place:  # reads the blocks where they are: no gathered copy

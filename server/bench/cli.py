@@ -1,4 +1,4 @@
-"""`batchpilot bench {offline,serve,sweep,interference,quality}`."""
+"""`batchpilot bench {offline,serve,sweep,interference,lora,quality}`."""
 
 import argparse
 import importlib
@@ -12,6 +12,8 @@ SUBCOMMANDS = {
               "start servers over concurrencies, continuous vs static, and plot the curves"),
     "interference": ("batchpilot.server.bench.interference",
                      "decoders' inter-token latency while a long prompt prefills"),
+    "lora": ("batchpilot.server.bench.lora",
+             "a batch mixing 4 PEFT adapters and the base against the base alone"),
     "quality": ("batchpilot.server.bench.quality",
                 "perplexity of a fixed text per weight and KV-cache dtype (fp8's cost)"),
 }  # fmt: skip

@@ -8,12 +8,11 @@ the settings is the prefill's alone."""
 
 import argparse
 import itertools
-import json
 import os
 import time
 from pathlib import Path
 
-from batchpilot.server.bench.report import table
+from batchpilot.server.bench.report import save_json, table
 from batchpilot.server.bench.stats import percentile
 from batchpilot.server.bench.workload import parse_int_list, seed_prompt
 
@@ -128,8 +127,5 @@ def run(args: argparse.Namespace) -> int:
         "cpus": len(os.sched_getaffinity(0)),
         "settings": results,
     }
-    args.result_dir.mkdir(parents=True, exist_ok=True)
-    path = args.result_dir / f"interference-{out['date']}.json"
-    path.write_text(json.dumps(out, indent=2))
-    print(f"results: {path}")
+    save_json(out, args.result_dir, f"interference-{out['date']}.json")
     return 0

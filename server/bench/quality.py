@@ -11,12 +11,11 @@ the cache, as a decode step does.
 """
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
 
-from batchpilot.server.bench.report import table
+from batchpilot.server.bench.report import save_json, table
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "apache-2.0.txt"
 
@@ -41,10 +40,7 @@ def run(args: argparse.Namespace) -> int:
                      args.kv_cache_dtypes, args.window, args.max_num_batched_tokens)  # fmt: skip
     result["text"] = args.text.name
     print(render(result))
-    args.result_dir.mkdir(parents=True, exist_ok=True)
-    path = args.result_dir / f"quality-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"results: {path}")
+    save_json(result, args.result_dir, f"quality-{time.strftime('%Y%m%d-%H%M%S')}.json")
     return 0
 
 

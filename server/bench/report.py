@@ -1,4 +1,7 @@
-"""Plain-text tables for the terminal and the benchmark README."""
+"""Plain-text tables for the terminal and the benchmark README, and the JSON result files."""
+
+import json
+from pathlib import Path
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -10,3 +13,13 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def save_json(result: dict, result_dir: Path, filename: str) -> Path:
+    """Write result under result_dir (made if missing) and say where."""
+    result_dir.mkdir(parents=True, exist_ok=True)
+    path = result_dir / filename
+    # json writes inf as Infinity; vLLM's files do the same for an unlimited request rate.
+    path.write_text(json.dumps(result, indent=2))
+    print(f"results: {path}")
+    return path

@@ -27,7 +27,7 @@ class KVCacheManager:
     def match_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
         """Cached blocks covering the longest cached prefix, leaving at least one token
         to compute so the step has a position to sample from."""
-        blocks, digests, parent = [], [], None
+        blocks, digests, parent = [], [], seq.cache_root
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = self.block_tokens(seq, i)
             digest = block_digest(parent, tokens)
@@ -67,7 +67,7 @@ class KVCacheManager:
         before any query reads it."""
         full = (seq.num_computed_tokens + num_new_tokens) // self.block_size
         for i in range(len(seq.block_hashes), full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_root
             seq.block_hashes.append(block_digest(parent, self.block_tokens(seq, i)))
             self._register(seq, i)
 
@@ -116,7 +116,7 @@ class KVCacheManager:
 
     def _register(self, seq: Sequence, i: int) -> None:
         """Offer seq's block i, whose digest is known, to the prefix cache."""
-        parent = seq.block_hashes[i - 1] if i else None
+        parent = seq.block_hashes[i - 1] if i else seq.cache_root
         self.pool.register(seq.block_table[i], seq.block_hashes[i], parent,
                            self.block_tokens(seq, i))  # fmt: skip
 

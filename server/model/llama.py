@@ -1,7 +1,15 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) running on the paged KV cache:
-RMSNorm, RoPE with the model's scaling config, GQA, SwiGLU, tied or untied embeddings.
-Weights come from a loaded transformers model; q/k/v and gate/up are fused so each
-layer runs four matmuls."""
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM, Gemma) running on the
+paged KV cache: RMSNorm, RoPE with the model's scaling config, GQA, gated MLP, tied or
+untied embeddings. Weights come from a loaded transformers model; q/k/v and gate/up are
+fused so each layer runs four matmuls. A step with LoRA rows adds each row's adapter
+product after each of the four (lora/slots.py).
+
+Per-family switches, read from the config (`Family`): Qwen2's q/k/v bias, Qwen3's
+per-head RMSNorm on q and k before RoPE, Gemma's (1 + weight) RMSNorm, sqrt(hidden)
+embedding scale and tanh-GELU MLP."""
+
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -9,19 +17,51 @@ from torch import nn
 from batchpilot.server.attention import attention
 from batchpilot.server.attention.metadata import AttentionMetadata
 from batchpilot.server.kv.cache import KVCache
+from batchpilot.server.lora.slots import LoRABatch
+
+# config.hidden_act -> the MLP's gate activation (transformers' ACT2FN names).
+ACTIVATIONS = {
+    "silu": nn.functional.silu,
+    "gelu_pytorch_tanh": partial(nn.functional.gelu, approximate="tanh"),
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What sets a model family apart from Llama, read from its transformers config."""
+
+    qkv_bias: bool  # Qwen2 (or attention_bias): biases on q, k and v
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k, after the reshape, before RoPE
+    norm_offset: bool  # Gemma: RMSNorm scales by (1 + weight), in float32
+    embed_scale: bool  # Gemma: embeddings times sqrt(hidden_size), in the model dtype
+    act: str  # the MLP's gate activation, a key of ACTIVATIONS
+
+    @classmethod
+    def of(cls, cfg) -> "Family":
+        kind = cfg.model_type
+        return cls(
+            qkv_bias=getattr(cfg, "attention_bias", False) or kind == "qwen2",
+            qk_norm=kind == "qwen3",
+            norm_offset=kind == "gemma",
+            embed_scale=kind == "gemma",
+            act=getattr(cfg, "hidden_act", "silu"),
+        )
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same arithmetic as transformers (float32 statistics) so greedy outputs match.
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma: (x * (1 + w)) in float32, then cast
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
 
@@ -39,29 +79,45 @@ class DecoderLayer(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.scale = self.head_dim**-0.5
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv_bias = getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=qkv_bias)
+        family = Family.of(cfg)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=family.qkv_bias)
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
         mlp_bias = getattr(cfg, "mlp_bias", False)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=mlp_bias)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.act = ACTIVATIONS[family.act]
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, family.norm_offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                family.norm_offset)  # fmt: skip
+        self.qk_norm = family.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.splits = (q, kv, kv)
 
-    def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata,
+                lora: LoRABatch | None) -> torch.Tensor:  # fmt: skip
         h = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(h).split(self.splits, dim=-1)
+        q, k, v = self._project("qkv_proj", h, lora).split(self.splits, dim=-1)
         n = x.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         attn = attention(q, k, v, kv, self.index, meta, self.scale)
-        x = x + self.o_proj(attn)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(nn.functional.silu(gate).mul_(up))
+        x = x + self._project("o_proj", attn, lora)
+        h = self.post_attention_layernorm(x)
+        gate, up = self._project("gate_up_proj", h, lora).chunk(2, dim=-1)
+        return x + self._project("down_proj", self.act(gate).mul_(up), lora)
+
+    def _project(self, name: str, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        y = getattr(self, name)(x)
+        if lora is not None:
+            lora.add(y, x, self.index, name)
+        return y
 
 
 class LlamaDecoder(nn.Module):
@@ -70,7 +126,12 @@ class LlamaDecoder(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        family = Family.of(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, family.norm_offset)
+        # Gemma: sqrt(hidden) as a float32 tensor cast to the model dtype (bf16: 55.5, not
+        # 55.43, for hidden 3072), as transformers computes it; .to(dtype) casts the buffer.
+        scale = torch.tensor(cfg.hidden_size**0.5) if family.embed_scale else None
+        self.register_buffer("embed_scale", scale, persistent=False)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_dim = self.layers[0].head_dim
         self.max_positions = max_positions
@@ -90,13 +151,14 @@ class LlamaDecoder(nn.Module):
         self.register_buffer("cos", cos[0].to(dtype).to(device)[:, None, :], persistent=False)
         self.register_buffer("sin", sin[0].to(dtype).to(device)[:, None, :], persistent=False)
 
-    def forward(
-        self, input_ids, positions, kv: KVCache, meta: AttentionMetadata, logits_index: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv: KVCache, meta: AttentionMetadata,
+                logits_index: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:  # fmt: skip
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         cos, sin = self.cos[positions], self.sin[positions]
         for layer in self.layers:
-            x = layer(x, cos, sin, kv, meta)
+            x = layer(x, cos, sin, kv, meta, lora)
         x = self.norm(x[logits_index])
         return self.lm_head(x).to(torch.float32)
 
@@ -136,6 +198,9 @@ def from_hf(hf_model, max_positions: int, dtype: torch.dtype, device) -> LlamaDe
             layer.down_proj.bias.copy_(take(p + "mlp.down_proj.bias"))
         layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
         layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+        if layer.qk_norm:
+            layer.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight"))
+            layer.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight"))
     model = model.to(dtype=dtype, device=device).eval()
     model.build_rope(hf_model)
     return model

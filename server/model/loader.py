@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING
 from batchpilot.server.config import ConfigError
 from batchpilot.server.model.bundled import bundled_model_path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+# Near misses, refused with the reason (server/model/llama.py implements none of it).
+UNSUPPORTED_REASONS = {
+    "gemma2": "Gemma 2 needs logit soft-capping, sliding-window layers and extra norms",
+    "gemma3": "Gemma 3 needs sliding-window layers, q/k norms and extra norms",
+    "gemma3_text": "Gemma 3 needs sliding-window layers, q/k norms and extra norms",
+    "qwen3_moe": "mixture-of-experts layers are not implemented",
+}
 if TYPE_CHECKING:
     from batchpilot.server.model.llama import LlamaDecoder
 
@@ -84,13 +91,25 @@ def resolve_source(model: str | None) -> tuple[str, str | None]:
 
 
 def check_supported(config) -> None:
+    from batchpilot.server.model.llama import ACTIVATIONS
+
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         archs = getattr(config, "architectures", None)
+        reason = UNSUPPORTED_REASONS.get(model_type)
         raise UnsupportedModelError(
-            f"unsupported architecture {model_type!r} ({archs}); batchpilot runs "
-            f"Llama-family decoders: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"unsupported architecture {model_type!r} ({archs}){f': {reason}' if reason else ''}"
+            f"; batchpilot runs Llama-family decoders: {', '.join(SUPPORTED_MODEL_TYPES)} "
+            "(gemma is Gemma 1 only: gemma2 and gemma3 are not supported)"
         )
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"unsupported MLP activation hidden_act={act!r}; the decoder implements "
+            f"{', '.join(ACTIVATIONS)}"
+        )
+    if getattr(config, "use_bidirectional_attention", None):
+        raise UnsupportedModelError("bidirectional attention is not supported (causal only)")
 
 
 def load_hf_model(model: str | None, dtype):

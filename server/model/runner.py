@@ -19,6 +19,7 @@ from batchpilot.server.config import EngineConfig, GiB
 from batchpilot.server.kv.cache import KVCache, bytes_per_block, storage_dtype
 from batchpilot.server.kv.manager import cdiv
 from batchpilot.server.logprobs import PositionLogprobs, compute_logprobs, gather_logprobs
+from batchpilot.server.lora.slots import LoRABatch, LoRASlots, module_shapes
 from batchpilot.server.model.cuda_graphs import DecodeGraphs
 from batchpilot.server.model.llama import LlamaDecoder
 from batchpilot.server.sampler import sample_isolating_faults
@@ -58,12 +59,23 @@ class ModelRunner:
         self.attention_backend = resolve_backend(
             config.attention_backend, device, config.kv_cache_dtype
         )
-        if self.attention_backend == "torch" and device.type == "cpu":
-            cpu_decode.load()  # built (or found cached) now, not at the first decode step
+        if self.attention_backend != "triton" and device.type == "cpu":  # built, then timed
+            self.attention_backend = cpu_decode.choose(  # now, not at the first decode step
+                config.attention_backend, model.layers[0].num_heads, model.num_kv_heads,
+                model.head_dim, model.lm_head.weight.dtype, config.block_size,
+                config.kv_cache_dtype,
+            )  # fmt: skip
         self.graphs: DecodeGraphs | None = None  # captured at the first decode-only step
         kv_dtype = storage_dtype(config.kv_cache_dtype, model.lm_head.weight.dtype)
         self.block_bytes = bytes_per_block(len(model.layers), config.block_size,
                                            model.num_kv_heads, model.head_dim, kv_dtype)  # fmt: skip
+        # The adapter slots exist before the KV cache is sized, so that on GPUs the
+        # profiled peak counts their memory.
+        self.lora_slots = None
+        if config.enable_lora:
+            self.lora_slots = LoRASlots(len(model.layers), module_shapes(model), config.max_loras,
+                                        config.max_lora_rank, model.lm_head.weight.dtype, device,
+                                        use_triton=device.type == "cuda")  # fmt: skip
         self.kv_cache = self._allocate_kv_cache()
 
     # ---- KV cache --------------------------------------------------------------------
@@ -138,15 +150,17 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------
 
-    def _forward(self, input_ids, positions, kv: KVCache, meta, logits_index) -> torch.Tensor:
+    def _forward(self, input_ids, positions, kv: KVCache, meta, logits_index,
+                 lora: LoRABatch | None) -> torch.Tensor:  # fmt: skip
         """The model's forward, replayed from a CUDA graph for a decode-only step when
         cuda_graphs is on (graphs are captured here, at the first such step, after fp8
-        calibration; steps outside the profile and calibration runs use self.kv_cache)."""
+        calibration; steps outside the profile and calibration runs use self.kv_cache).
+        Steps with adapter rows are never replayed: the graphs hold the base model only."""
         decode_only = (isinstance(meta, TritonMetadata) and kv is self.kv_cache
                        and meta.num_decodes == len(input_ids) == len(logits_index))  # fmt: skip
-        wanted = self.config.cuda_graphs and self.device.type == "cuda"
+        wanted = self.config.cuda_graphs and self.device.type == "cuda" and lora is None
         if not (wanted and decode_only and not kv.calibrating):
-            return self.model(input_ids, positions, kv, meta, logits_index)
+            return self.model(input_ids, positions, kv, meta, logits_index, lora)
         if self.graphs is None:
             log.info("capturing CUDA graphs for decode steps of up to %d sequences",
                      self.config.max_num_seqs)  # fmt: skip
@@ -166,7 +180,7 @@ class ModelRunner:
         # Decodes first, shortest context first, so attention can bucket them by length.
         order = sorted(range(len(scheduled)), key=lambda i: _decode_first(*scheduled[i]))
         ordered = [scheduled[i] for i in order]
-        input_ids, positions, logits_index, samplers = [], [], [], []
+        input_ids, positions, logits_index, samplers, row_adapters = [], [], [], [], []
         scoring: list[tuple[int, range, int]] = []  # (scheduled index, positions, first row)
         for i, (seq, n) in zip(order, ordered, strict=True):
             start = seq.num_computed_tokens
@@ -174,6 +188,8 @@ class ModelRunner:
             if scored:
                 scoring.append((i, scored, len(input_ids) + scored.start - start))
             input_ids.extend(seq.token_ids[start : start + n])
+            if self.lora_slots:
+                row_adapters.extend([seq.lora] * n)
             positions.extend(range(start, start + n))
             if start + n == seq.num_tokens:
                 logits_index.append(len(input_ids) - 1)
@@ -190,10 +206,12 @@ class ModelRunner:
         )
         prompt_rows = [row + k for _, scored, row in scoring for k in range(len(scored))]
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        lora = self.lora_slots.batch(row_adapters) if self.lora_slots else None
 
         def forward() -> torch.Tensor:  # again only if sampling raises: K/V writes repeat
             return self._forward(as_tensor(input_ids), as_tensor(positions),
-                                 kv or self.kv_cache, meta, as_tensor(logits_index + prompt_rows))  # fmt: skip
+                                 kv or self.kv_cache, meta, as_tensor(logits_index + prompt_rows),
+                                 lora)  # fmt: skip
 
         logits = forward()
         out = ModelRunnerOutput.empty(len(scheduled))

@@ -6,6 +6,7 @@ import signal
 import threading
 
 import httpx
+import pytest
 from test_server_harness import TINY_FLAGS, ServerProcess, wait_until
 
 from batchpilot import names
@@ -14,12 +15,13 @@ API_KEY = "sk-drain-key-5521"
 ADMIN_TOKEN = "drain-admin-7730"
 
 
-def test_sigterm_drains_in_flight_requests_and_exits_zero(tmp_path_factory):
+@pytest.mark.parametrize("engine", [(), ("--engine-process",)], ids=["thread", "process"])
+def test_sigterm_drains_in_flight_requests_and_exits_zero(tmp_path_factory, engine):
     from tiny_llama import make_tiny_llama
 
     tiny = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
     args = ["--model", tiny, "--served-model-name", "tiny", *TINY_FLAGS, "--api-key", API_KEY,
-            "--admin-token", ADMIN_TOKEN, "--shutdown-timeout", "120"]  # fmt: skip
+            "--admin-token", ADMIN_TOKEN, "--shutdown-timeout", "120", *engine]  # fmt: skip
     server = ServerProcess(args, tmp_path_factory.mktemp("drain") / "serve.log", api_key=API_KEY)
     server.start()
     try:

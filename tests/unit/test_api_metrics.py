@@ -2,6 +2,7 @@
 periodic stats line."""
 
 import dataclasses
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -9,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from batchpilot import names
 from batchpilot.server.api.metrics import ServerMetrics
 from batchpilot.server.api.stats_log import is_idle, stats_line
-from batchpilot.server.async_engine import StepResult
+from batchpilot.server.engine_core import Turn
 from batchpilot.server.outputs import CompletionOutput, RequestOutput
 from batchpilot.server.sequence import Timings
 from batchpilot.server.stats import EngineStats
@@ -20,7 +21,7 @@ STATS = EngineStats(
     num_preemptions=4, num_swaps_out=5, num_swaps_in=6, num_steps=10, prompt_tokens_total=70,
     generation_tokens_total=80, last_step_num_tokens=9, last_step_batch_size=3,
     max_num_seqs=32, max_num_batched_tokens=512, kv_cache_dtype="fp8", block_size=16,
-    max_concurrency=1.5,
+    max_concurrency=1.5, max_lora=0, running_lora_adapters=[], waiting_lora_adapters=[],
 )  # fmt: skip
 
 
@@ -71,6 +72,29 @@ def test_every_listed_name_is_exposed():
         assert any(e == name or e.startswith(name + "_") for e in exposed), name
 
 
+def test_lora_requests_info_only_with_lora_and_only_its_latest_labels():
+    assert not any(
+        name == names.LORA_REQUESTS_INFO for name, _ in samples(ServerMetrics("m", lambda: STATS))
+    )
+    stats = dataclasses.replace(STATS, max_lora=2, running_lora_adapters=["sql", "chat"],
+                                waiting_lora_adapters=[])  # fmt: skip
+    metrics = ServerMetrics("m", lambda: stats)
+    before = time.time()
+    found = {labels: v for (name, labels), v in samples(metrics).items()
+             if name == names.LORA_REQUESTS_INFO}  # fmt: skip
+    # vLLM's labels, names sorted and comma-joined, no model_name; the value is the time.
+    labels = (("max_lora", "2"), ("running_lora_adapters", "chat,sql"),
+              ("waiting_lora_adapters", ""))  # fmt: skip
+    assert list(found) == [labels]
+    assert before - 1 <= found[labels] <= time.time() + 1
+    stats.running_lora_adapters, stats.waiting_lora_adapters = [], ["sql"]
+    found = [
+        labels for (name, labels), _ in samples(metrics).items() if name == names.LORA_REQUESTS_INFO
+    ]
+    assert found == [(("max_lora", "2"), ("running_lora_adapters", ""),
+                      ("waiting_lora_adapters", "sql"))]  # fmt: skip
+
+
 def output(rid: str, tokens: list[int], new: int, finished: bool, timing: Timings):
     completion = CompletionOutput(0, "", tokens, "x", tokens[-new:] if new else [], None)
     return RequestOutput(rid, "p", [1, 2], [completion], finished, timing)
@@ -80,12 +104,12 @@ def test_histograms_from_steps():
     metrics = ServerMetrics("m", lambda: STATS)
     timing = Timings(arrival_time=100.0)
     timing.first_scheduled_time, timing.first_token_time = 100.5, 101.0
-    metrics.observe_step(StepResult([output("a", [7], 1, False, timing)], STATS, True, 101.0))
-    metrics.observe_step(StepResult([output("a", [7, 8], 1, False, timing)], STATS, True, 101.2))
+    metrics.observe_step(Turn([output("a", [7], 1, False, timing)], STATS, True, 101.0))
+    metrics.observe_step(Turn([output("a", [7, 8], 1, False, timing)], STATS, True, 101.2))
     timing.finished_time = 101.6
-    metrics.observe_step(StepResult([output("a", [7, 8, 9, 10], 2, True, timing)], STATS, True,
+    metrics.observe_step(Turn([output("a", [7, 8, 9, 10], 2, True, timing)], STATS, True,
                                     101.6))  # fmt: skip
-    metrics.observe_step(StepResult([], STATS, False, 102.0))  # no step ran: nothing observed
+    metrics.observe_step(Turn([], STATS, False, 102.0))  # no step ran: nothing observed
     found = samples(metrics)
     assert value(found, names.TIME_TO_FIRST_TOKEN + "_count") == 1
     assert value(found, names.TIME_TO_FIRST_TOKEN + "_sum") == 1.0

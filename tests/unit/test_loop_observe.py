@@ -41,6 +41,10 @@ STATS = {
     "block_size": 16,
     "num_kv_blocks": 100,
     "max_num_batched_tokens": 512,
+    # LoRA off (max_lora 0): no vllm:lora_requests_info family.
+    "max_lora": 0,
+    "running_lora_adapters": (),
+    "waiting_lora_adapters": (),
 }
 
 

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from batchpilot.operator import handlers
 from batchpilot.operator import resources as r
 from batchpilot.operator.config import OperatorConfig
 from batchpilot.operator.handlers import Reconciler
@@ -330,6 +331,28 @@ def test_deployment_events(kube, rec):
         "DELETED", {**dep, "metadata": {**dep["metadata"], "ownerReferences": []}}
     )
     assert kube.calls == []
+
+
+def test_deployment_event_before_an_edit_is_reconciled_keeps_the_observed_generation(
+    kube, rec, monkeypatch
+):
+    """A replica-count event that lands between an edit and its reconcile refreshes the
+    replicas but must not mark the edit observed: the reconcile still applies and reports it."""
+    rec.reconcile(kube.add_isvc("chat", {}))
+    dep = copy.deepcopy(kube.objects[("Deployment", NS, "chat")])
+    dep["status"] = {"observedGeneration": 1, "replicas": 1, "readyReplicas": 1}
+    body = kube.objects[("InferenceService", NS, "chat")]
+    body["metadata"]["generation"] = 2
+    body["spec"] = {"engine": {"maxNumSeqs": 12}}
+    rec.on_deployment_event("MODIFIED", dep)
+    st = kube.status("chat")
+    assert st["observedGeneration"] == 1 and st["readyReplicas"] == 1
+    events = []
+    monkeypatch.setattr(handlers, "post_event", lambda *a: events.append(a))
+    rec.reconcile(body)
+    assert kube.status("chat")["observedGeneration"] == 2
+    assert [e[2] for e in events] == ["Applied"]
+    assert "generation 2" in events[0][3]
 
 
 def test_child_events(kube, rec):

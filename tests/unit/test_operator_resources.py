@@ -4,7 +4,9 @@ every valid spec (owners, labels, probes, drain timing, rollout, pass-through, a
 from __future__ import annotations
 
 import argparse
+import math
 import os
+from fractions import Fraction
 from pathlib import Path
 
 import jsonschema_rs
@@ -478,6 +480,15 @@ def test_properties_of_every_valid_spec(raw):
     live = f"--max-num-seqs=$({r.MAX_NUM_SEQS_ENV})"
     assert (live in c["args"]) == spec.tuning.enabled
     assert any(e["name"] == r.MAX_NUM_SEQS_ENV for e in c["env"]) == spec.tuning.enabled
+    # A CPU pod's thread budget: its CPU limit, else its request, rounded up.
+    threads = [e["value"] for e in c["env"][: len(c["env"]) - len(user_env)]
+               if e["name"] == names.CPU_THREADS_ENV]  # fmt: skip
+    res = raw.get("resources") or {}
+    cpu = (res.get("limits") or {}).get("cpu", (res.get("requests") or {}).get("cpu"))
+    gpu = "nvidia.com/gpu" in (res.get("limits") or {})
+    assert threads == (
+        [] if gpu or cpu is None else [str(max(1, math.ceil(r.parse_quantity(cpu))))]
+    )
     for autoscaler in out[5:]:
         if autoscaler["kind"] == "ScaledObject":
             jsonschema_rs.validate(SCALED_OBJECT_SCHEMA, autoscaler)
@@ -900,3 +911,74 @@ def test_turning_builtin_autoscaling_on_keeps_the_running_count_until_the_loop_d
         {"replicas": 9, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}}
     )
     assert r.desired_replicas(tight, r.LoopState()) == 4
+
+
+@pytest.mark.parametrize(
+    "value, number",
+    [
+        ("2", 2),
+        (2, 2),
+        ("1500m", Fraction(3, 2)),
+        ("0.5", Fraction(1, 2)),
+        (".5", Fraction(1, 2)),
+        ("1e3", 1000),
+        ("2k", 2000),
+        ("1Gi", 1 << 30),
+        ("250u", Fraction(1, 4000)),
+        ("abc", None),
+        ("1e1.5", None),
+    ],
+)
+def test_parse_quantity(value, number):
+    assert r.parse_quantity(value) == number
+
+
+def _threads_env(spec: dict) -> list[str]:
+    return [e["value"] for e in container(deployment(spec))["env"]
+            if e["name"] == names.CPU_THREADS_ENV]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "resources, threads",
+    [
+        ({"requests": {"cpu": "2"}}, ["2"]),
+        ({"requests": {"cpu": "1500m"}}, ["2"]),  # rounded up
+        ({"requests": {"cpu": "100m"}}, ["1"]),  # at least one
+        ({"requests": {"cpu": "2"}, "limits": {"cpu": 3}}, ["3"]),  # the limit first
+        ({"requests": {"cpu": "2"}, "limits": {"memory": "4Gi"}}, ["2"]),
+        ({"requests": {"memory": "2Gi"}}, []),  # no CPU amount: the server's own reading
+        ({}, []),
+        ({"requests": {"cpu": "4"}, "limits": {"nvidia.com/gpu": 1}}, []),  # a GPU pod
+        ({"requests": {"cpu": "4"}, "limits": {"amd.com/gpu": "1"}}, []),
+        ({"requests": {"cpu": "4"}, "limits": {"nvidia.com/gpu": 0}}, ["4"]),  # no GPU asked
+    ],
+)
+def test_cpu_pods_get_a_thread_budget_from_their_cpu(resources, threads):
+    assert _threads_env({"resources": resources}) == threads
+
+
+def test_the_cpu_sample_gets_two_threads_and_the_gpu_sample_none():
+    assert _threads_env(example("cpu-bundled.yaml")["spec"]) == ["2"]
+    assert _threads_env(example("gpu-fp8-tuning.yaml")["spec"]) == []
+
+
+@pytest.mark.parametrize("name", [names.CPU_THREADS_ENV, "OMP_NUM_THREADS"])
+def test_threads_set_in_pod_env_win(name):
+    spec = {"resources": {"limits": {"cpu": "4"}}, "pod": {"env": [{"name": name, "value": "3"}]}}
+    env = container(deployment(spec))["env"]
+    assert [e for e in env if e["name"] in (names.CPU_THREADS_ENV, "OMP_NUM_THREADS")] == [
+        {"name": name, "value": "3"}
+    ]
+    assert r.spec_problems(parse_spec(spec)) == []
+
+
+def test_the_thread_budget_is_what_the_server_runs():
+    """The server reads the variable the operator sets: 3 threads on a 64-CPU node."""
+    from batchpilot.server.cpu_budget import resolve_cpu_threads
+
+    env = {
+        e["name"]: e["value"]
+        for e in container(deployment({"resources": {"limits": {"cpu": "2500m"}}}))["env"]
+        if "value" in e
+    }
+    assert resolve_cpu_threads(None, env, 64, None).threads == 3

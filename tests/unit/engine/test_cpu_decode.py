@@ -1,6 +1,8 @@
 """The CPU decode kernel that reads K/V blocks in place, against the torch path (gather
 the blocks, masked matmuls, softmax) on scrambled block tables and uneven contexts."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -50,3 +52,117 @@ def test_a_failed_build_leaves_the_torch_path(monkeypatch):
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", no_compiler)
     assert cpu_decode.load.__wrapped__() is None
+
+
+# ---- kernel or torch: the verdict ---------------------------------------------------------
+
+SHAPES = dict(num_heads=6, num_kv_heads=2, head_dim=16, dtype=torch.float32, block_size=16)
+
+
+@pytest.fixture
+def verdicts(monkeypatch, tmp_path):
+    """Verdicts in tmp_path, and a timing that returns what the test sets with
+    `fake(kernel_ms, torch_ms)` and counts its calls."""
+    timing = SimpleNamespace(calls=[], ms=(2.0, 1.0), dir=tmp_path)
+    timing.fake = lambda kernel_ms, torch_ms: setattr(timing, "ms", (kernel_ms, torch_ms))
+
+    def time_both(*shapes):
+        timing.calls.append(shapes)
+        return timing.ms
+
+    monkeypatch.setattr(cpu_decode, "verdict_dir", lambda: tmp_path)
+    monkeypatch.setattr(cpu_decode, "time_both", time_both)
+    return timing
+
+
+def choose(requested="auto", kv_cache_dtype="auto", **changes):
+    shapes = SHAPES | changes
+    return cpu_decode.choose(requested, *shapes.values(), kv_cache_dtype)
+
+
+def test_the_verdict_is_measured_once_then_read_from_its_file(verdicts, caplog):
+    caplog.set_level("INFO", logger="batchpilot.engine")
+    assert choose() == "torch"  # the fake: kernel 2 ms, torch 1 ms
+    verdicts.fake(1.0, 2.0)  # a second timing would now pick the kernel
+    assert choose() == "torch"
+    assert len(verdicts.calls) == 1
+    assert len(list(verdicts.dir.glob("decode-verdict-*.json"))) == 1
+    lines = [r.getMessage() for r in caplog.records if "CPU decode attention" in r.message]
+    assert "kernel 2.00 ms vs torch 1.00 ms" in lines[0] and lines[0].endswith("(measured)")
+    assert lines[1].endswith("using torch (cached)")
+    # Other shapes or another dtype are measured on their own.
+    assert choose(head_dim=32) == "cpu_kernel"
+    assert choose(dtype=torch.bfloat16) == "cpu_kernel"
+    assert len(verdicts.calls) == 3
+
+
+def test_a_forced_choice_overrides_the_verdict(verdicts):
+    verdicts.fake(2.0, 1.0)
+    assert choose() == "torch"
+    assert choose("cpu_kernel") == "cpu_kernel"
+    assert choose("torch") == "torch"
+    assert len(verdicts.calls) == 1
+    with pytest.raises(ValueError, match="fp8"):
+        choose("cpu_kernel", kv_cache_dtype="fp8")
+    assert choose(kv_cache_dtype="fp8") == "torch"  # FP8 caches dequantize in torch
+    assert len(verdicts.calls) == 1
+
+
+def test_cpu_kernel_is_for_cpus_only():
+    from batchpilot.server.attention import resolve_backend
+
+    assert resolve_backend("cpu_kernel", torch.device("cpu"), "auto") == "cpu_kernel"
+    with pytest.raises(ValueError, match="CPU"):
+        resolve_backend("cpu_kernel", torch.device("cuda"), "auto")
+
+
+def test_an_unwritable_cache_still_decides(verdicts, monkeypatch):
+    blocker = verdicts.dir / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(cpu_decode, "verdict_dir", lambda: blocker / "below")
+    verdicts.fake(1.0, 2.0)
+    assert choose() == choose() == "cpu_kernel"
+    assert len(verdicts.calls) == 2
+
+
+def test_the_timing_runs_both_paths_quickly():
+    import time
+
+    start = time.perf_counter()
+    kernel_ms, torch_ms = cpu_decode.time_both(*SHAPES.values())
+    assert kernel_ms > 0 and torch_ms > 0
+    assert time.perf_counter() - start < 10  # ~1 s budget; generous for a loaded machine
+
+
+def generate(model, **config):
+    from batchpilot.server import LLM, SamplingParams
+
+    from .conftest import PROMPTS
+
+    llm = LLM(model, dtype="float32", max_model_len=128, **config)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    return llm, llm.generate(PROMPTS[:4], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    ("backend", "kernel_ms", "torch_ms", "used"),
+    [
+        ("auto", 2.0, 1.0, "torch"),  # a cached torch verdict
+        ("auto", 1.0, 2.0, "cpu_kernel"),
+        ("cpu_kernel", 2.0, 1.0, "cpu_kernel"),  # forced, against the verdict
+        ("torch", 1.0, 2.0, "torch"),
+    ],
+)
+def test_the_runner_decodes_through_the_chosen_path(
+    verdicts, monkeypatch, tiny_model, hf_greedy, backend, kernel_ms, torch_ms, used
+):
+    verdicts.fake(kernel_ms, torch_ms)
+    kernel_calls = []
+    real = cpu_decode.paged_decode
+    monkeypatch.setattr(cpu_decode, "paged_decode",
+                        lambda *a: kernel_calls.append(1) or real(*a))  # fmt: skip
+    llm, outs = generate(tiny_model, attention_backend=backend)
+    assert llm.engine.runner.attention_backend == used
+    assert bool(kernel_calls) == (used == "cpu_kernel")
+    for out in outs:  # greedy equals transformers either way
+        assert out.outputs[0].token_ids == hf_greedy(out.prompt_token_ids, 8)

@@ -1,13 +1,18 @@
-"""Llama-family variants load and match transformers; other architectures are refused."""
+"""Llama-family variants load and match transformers (Qwen3 and Gemma also under chunked
+prefill, preemption and a LoRA adapter); other architectures are refused."""
 
 import json
 
 import pytest
 import torch
+from lora_adapters import make_adapter, peft_greedy
 from tiny_llama import make_tiny_llama
 
 from batchpilot.server import LLM, SamplingParams
 from batchpilot.server.model.loader import UnsupportedModelError, load_hf_model
+
+from .conftest import PROMPTS
+from .test_equivalence import CONDITIONS
 
 VARIANTS = {
     "qwen2": dict(model_type="qwen2"),  # q/k/v projections carry biases
@@ -23,7 +28,12 @@ VARIANTS = {
         }
     ),
     "untied_embeddings": dict(tie_word_embeddings=False),
+    # per-head q/k RMSNorm before RoPE; untied embeddings as Qwen3's config defaults
+    "qwen3": dict(model_type="qwen3", random_norms=True),
+    # (1 + w) RMSNorm, sqrt(hidden) embedding scale, tanh GELU, tied embeddings
+    "gemma": dict(model_type="gemma", hidden_act="gelu_pytorch_tanh", random_norms=True),
 }
+NEW_FAMILIES = ("qwen3", "gemma")
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -41,12 +51,71 @@ def test_variant_matches_transformers(tmp_path, variant):
         assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist()
 
 
-def test_unsupported_architecture_fails_at_load_with_a_clear_message(tmp_path):
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("families")
+    return {name: make_tiny_llama(root / name, **VARIANTS[name]) for name in NEW_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def family_greedy(family_models):
+    """transformers greedy continuations per (family, prompt ids, max tokens), cached."""
+    cache: dict[tuple, list[int]] = {}
+
+    def generate(family: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        key = (family, tuple(prompt_ids), max_tokens)
+        if key not in cache:
+            cache[key] = peft_greedy(family_models[family], None, prompt_ids, max_tokens)
+        return cache[key]
+
+    return generate
+
+
+@pytest.mark.parametrize("condition", ["chunked_prefill", "preempt_swap", "preempt_recompute"])
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_new_family_matches_transformers_under_chunking_and_preemption(
+    family_models, family_greedy, family, condition
+):
+    llm = LLM(family_models[family], dtype="float32", max_model_len=128, **CONDITIONS[condition])
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for out in llm.generate(PROMPTS, params, use_tqdm=False):
+        assert out.outputs[0].token_ids == family_greedy(family, out.prompt_token_ids, 24)
+    if condition.startswith("preempt"):
+        assert llm.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_new_family_with_a_lora_adapter_matches_peft(family_models, family_greedy, family,
+                                                     tmp_path):  # fmt: skip
+    base = family_models[family]
+    adapter = make_adapter(base, tmp_path / "adapter", rank=8, seed=1)
+    llm = LLM(base, dtype="float32", max_model_len=128, enable_lora=True, max_loras=1)
+    llm.add_lora("a", adapter)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for out in llm.generate(PROMPTS[:3], params, use_tqdm=False, lora="a"):
+        ids = out.prompt_token_ids
+        assert out.outputs[0].token_ids == peft_greedy(base, adapter, ids, 12)
+        assert out.outputs[0].token_ids != family_greedy(family, ids, 12)  # the adapter acts
+
+
+def tiny_model_of_type(tmp_path, model_type: str, architecture: str) -> str:
+    """A tiny Llama whose config claims another architecture."""
     path = make_tiny_llama(tmp_path / "tiny")
     config = json.loads((tmp_path / "tiny" / "config.json").read_text())
-    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    config.update(model_type=model_type, architectures=[architecture])
     (tmp_path / "tiny" / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_unsupported_architecture_fails_at_load_with_a_clear_message(tmp_path):
+    path = tiny_model_of_type(tmp_path, "gpt2", "GPT2LMHeadModel")
     with pytest.raises(UnsupportedModelError, match=r"unsupported architecture 'gpt2'.*llama"):
+        LLM(path)
+
+
+def test_gemma2_is_refused_with_the_reason_and_what_runs(tmp_path):
+    path = tiny_model_of_type(tmp_path, "gemma2", "Gemma2ForCausalLM")
+    with pytest.raises(UnsupportedModelError, match=r"'gemma2'.*soft-capping.*qwen3, gemma"):
         LLM(path)
 
 

@@ -1,0 +1,152 @@
+"""LoRA adapters: vLLM's load and unload routes, on the admin port behind the admin token
+(vLLM serves them on the public port when VLLM_ALLOW_RUNTIME_LORA_UPDATING is set; here a
+runtime change is the operator's, as /admin/config is), and the start-up loading of
+--lora-modules.
+
+The engine is the authority on what is loaded; ServerContext.loras mirrors it on the event
+loop so that a request finds its adapter without a round trip to the engine thread. Only
+these routes and the start-up change either, always the engine first.
+"""
+
+import functools
+import logging
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from batchpilot.server.api.admin import require_admin
+from batchpilot.server.api.cli import LORA_NAME_PATTERN, MAX_LORA_PATH_CHARS, LoRAModule
+from batchpilot.server.api.context import ServerContext
+from batchpilot.server.api.errors import APIError
+from batchpilot.server.lora import LoRAError, LoRANotFound
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+
+
+# Engine calls, module-level so that they pickle to an engine process.
+def _add_lora(name: str, path: str, engine) -> None:
+    engine.add_lora(name, path)
+
+
+def _remove_lora(name: str, engine) -> None:
+    engine.remove_lora(name)
+
+
+LoRAName = Annotated[str, Field(pattern=f"^{LORA_NAME_PATTERN.pattern}$")]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # vLLM's optional fields change nothing here
+
+    lora_name: LoRAName
+    lora_path: Annotated[str, Field(min_length=1, max_length=MAX_LORA_PATH_CHARS)]
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # vLLM's lora_int_id: names suffice here
+
+    lora_name: LoRAName
+
+
+def adapter_dir_error(module: LoRAModule, served_model_name: str) -> str | None:
+    """What is wrong with serving module before the engine reads it, or None."""
+    if module.name == served_model_name:
+        return f"The LoRA adapter name '{module.name}' is the base model's name."
+    # hf://org/name is found in the local HF cache by the engine, as models are.
+    if not module.path.startswith("hf://") and not Path(module.path).is_dir():
+        return f"The LoRA adapter path '{module.path}' is not a directory."
+    return None
+
+
+def _load(engine, module: LoRAModule, served_model_name: str) -> None:
+    """One start-up adapter into the engine; LoRAError says why it cannot serve."""
+    error = adapter_dir_error(module, served_model_name)
+    if error:
+        raise LoRAError(error)
+    engine.add_lora(module.name, module.path)
+    logger.info("loaded LoRA adapter %s from %s", module.name, module.path)
+
+
+def load_at_start(engine, modules: list[LoRAModule], served_model_name: str) -> None:
+    """--lora-modules, on the engine thread once the engine is built: a bad adapter fails
+    the start, naming it."""
+    for module in modules:
+        try:
+            _load(engine, module, served_model_name)
+        except LoRAError as e:
+            raise LoRAError(f"--lora-modules {module.name}={module.path}: {e}") from e
+
+
+def preload(engine, modules: list[LoRAModule], served_model_name: str) -> None:
+    """--preload-lora-modules, after --lora-modules: a bad adapter is logged and left out,
+    and the replica serves the others. The operator declares these for every replica it
+    starts; one corrupt adapter must not keep them all from starting (it reports the
+    refusal per replica when its sync asks again)."""
+    for module in modules:
+        try:
+            _load(engine, module, served_model_name)
+        except LoRAError as e:
+            logger.error("LoRA adapter %s from %s left out: %s", module.name, module.path, e)
+
+
+def _list_loras(engine) -> list[str]:
+    return engine.list_loras()
+
+
+async def forget_unloaded(ctx: ServerContext, modules: tuple[LoRAModule, ...]) -> None:
+    """Once the engine is loaded: drop from ctx.loras the preloaded adapters it left out, so
+    that their requests get the unknown-model 400 rather than a failure in the engine."""
+    if not modules:
+        return
+    loaded = set(await ctx.engine.call(_list_loras))
+    for module in modules:
+        if module.name not in loaded:
+            ctx.loras.pop(module.name, None)
+
+
+async def _body(request: Request, model: type[BaseModel]) -> BaseModel:
+    # Parsed here, after require_admin: no token, no parsing.
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from e
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request, ctx: ServerContext = Depends(require_admin)):
+    body = await _body(request, LoadLoRAAdapterRequest)
+    module = LoRAModule(body.lora_name, body.lora_path)
+    if module.name in ctx.loras:
+        raise APIError(400, f"The lora adapter '{module.name}' has already been loaded.",
+                       "lora_name")  # fmt: skip
+    error = adapter_dir_error(module, ctx.served_model_name)
+    if error:
+        raise APIError(400, error)
+    try:
+        # The engine thread reads and checks the files between two steps.
+        await ctx.engine.call(functools.partial(_add_lora, module.name, module.path))
+    except LoRAError as e:
+        raise APIError(400, str(e)) from e
+    ctx.loras[module.name] = module
+    logger.info("admin: loaded LoRA adapter %s from %s", module.name, module.path)
+    return PlainTextResponse(f"Success: LoRA adapter '{module.name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request, ctx: ServerContext = Depends(require_admin)):
+    name = (await _body(request, UnloadLoRAAdapterRequest)).lora_name
+    try:
+        await ctx.engine.call(functools.partial(_remove_lora, name))
+    except LoRANotFound as e:
+        ctx.loras.pop(name, None)
+        raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name") from e
+    except LoRAError as e:  # LoRAInUse among them: requests for it still wait or run
+        raise APIError(400, str(e)) from e
+    ctx.loras.pop(name, None)
+    logger.info("admin: unloaded LoRA adapter %s", name)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
