@@ -77,6 +77,11 @@ class EngineConfig:
                                   "(cached per machine); torch, triton and cpu_kernel force "
                                   "one",
                                   choices=("auto", "torch", "triton", "cpu_kernel"))  # fmt: skip
+    linear_backend: str = knob("auto", "auto: on CPUs in float32, oneDNN's linear with the "
+                               "weights prepacked at load where a timing at start-up finds "
+                               "it faster than torch's (cached per machine), else torch's; "
+                               "torch and onednn (CPU only) force one",
+                               choices=("auto", "torch", "onednn"))  # fmt: skip
     cuda_graphs: bool = knob(False, "replay decode-only steps from CUDA graphs captured at "
                              "bucketed batch sizes (CUDA with Triton attention)")  # fmt: skip
     # "static" admits a whole batch only when the previous one has finished: it exists
@@ -141,6 +146,8 @@ class EngineConfig:
             raise ConfigError(
                 f"max_model_len {self.max_model_len} exceeds the model's limit {model_max_len}"
             )
+        if self.linear_backend == "onednn" and device_type != "cpu":
+            raise ConfigError("linear_backend onednn runs on CPUs only")
         if self.max_num_batched_tokens is None:
             budget = DEFAULT_STEP_TOKENS.get(device_type, DEFAULT_STEP_TOKENS["cpu"])
             if not self.enable_chunked_prefill:

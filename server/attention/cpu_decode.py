@@ -8,21 +8,20 @@ no headers) `load()` returns None once and the torch path runs.
 
 The kernel does not win everywhere (float32 on an AVX-512 Xeon without AVX512-BF16: 452
 against 417 ms per 40-sequence step), so `choose()` times both paths on the model's
-shapes when an engine starts and keeps the verdict in a file beside the kernel's build,
-keyed by everything the verdict depends on; later starts read it."""
+shapes when an engine starts and keeps the verdict (server/verdicts.py) beside the
+kernel's build, keyed by everything the verdict depends on; later starts read it."""
 
-import contextlib
 import functools
 import hashlib
 import json
 import logging
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from batchpilot.server import verdicts
 from batchpilot.server.cpuinfo import cpu_flags
 
 log = logging.getLogger("batchpilot.engine")
@@ -194,13 +193,13 @@ def choose(requested: str, num_heads: int, num_kv_heads: int, head_dim: int,
     shapes = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                   dtype=str(dtype).removeprefix("torch."), block_size=block_size)  # fmt: skip
     key = verdict_key(shapes)
-    path = verdict_dir() / f"decode-verdict-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    verdict, source = _read_verdict(path, key), "cached"
+    path = verdicts.path_for(verdict_dir(), "decode", key)
+    verdict, source = verdicts.read(path, key, ("cpu_kernel", "torch")), "cached"
     if verdict is None:
         kernel_ms, torch_ms = time_both(num_heads, num_kv_heads, head_dim, dtype, block_size)
         choice = "cpu_kernel" if kernel_ms < torch_ms else "torch"
         verdict = {"key": key, "choice": choice, "kernel_ms": kernel_ms, "torch_ms": torch_ms}
-        source = "measured" if _write_verdict(path, verdict) else "measured, not cached"
+        source = "measured" if verdicts.write(path, verdict) else "measured, not cached"
     log.info("CPU decode attention: kernel %.2f ms vs torch %.2f ms per layer at %d sequences "
              "x %d tokens (%s); using %s (%s)", verdict["kernel_ms"], verdict["torch_ms"],
              TIMED_SEQS, TIMED_CONTEXT, shapes["dtype"],
@@ -221,29 +220,6 @@ def verdict_key(shapes: dict) -> str:
 def verdict_dir() -> Path:
     """The kernel's build directory (torch's extensions cache, one per CPU-flag set)."""
     return Path(load().__file__).parent
-
-
-def _read_verdict(path: Path, key: str) -> dict | None:
-    try:
-        verdict = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    ok = verdict.get("key") == key and verdict.get("choice") in ("cpu_kernel", "torch")
-    return verdict if ok else None
-
-
-def _write_verdict(path: Path, verdict: dict) -> bool:
-    """Atomically (engines starting together may race); False where the cache is read-only."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(verdict, indent=1) + "\n")
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("CPU decode attention: cannot cache the verdict in %s: %s", path.parent, exc)
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        return False
-    return True
 
 
 @torch.inference_mode()

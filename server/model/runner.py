@@ -20,6 +20,7 @@ from batchpilot.server.kv.cache import KVCache, bytes_per_block, storage_dtype
 from batchpilot.server.kv.manager import cdiv
 from batchpilot.server.logprobs import PositionLogprobs, compute_logprobs, gather_logprobs
 from batchpilot.server.lora.slots import LoRABatch, LoRASlots, module_shapes
+from batchpilot.server.model import cpu_linear
 from batchpilot.server.model.cuda_graphs import DecodeGraphs
 from batchpilot.server.model.llama import LlamaDecoder
 from batchpilot.server.sampler import sample_isolating_faults
@@ -65,6 +66,9 @@ class ModelRunner:
                 model.head_dim, model.lm_head.weight.dtype, config.block_size,
                 config.kv_cache_dtype,
             )  # fmt: skip
+        self.linear_backend = "torch"
+        if device.type == "cpu":
+            self.linear_backend = cpu_linear.apply(model, config.linear_backend)
         self.graphs: DecodeGraphs | None = None  # captured at the first decode-only step
         kv_dtype = storage_dtype(config.kv_cache_dtype, model.lm_head.weight.dtype)
         self.block_bytes = bytes_per_block(len(model.layers), config.block_size,

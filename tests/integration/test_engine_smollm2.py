@@ -30,6 +30,9 @@ CONDITIONS = {
     "preempt_recompute": dict(
         kv_cache_memory_bytes=24 * BLOCK_BYTES_FP32, preemption_mode="recompute"
     ),
+    # Both CPU linear paths, whichever the start-up timing picks on this machine.
+    "linear_onednn": dict(linear_backend="onednn", max_num_batched_tokens=32),
+    "linear_torch": dict(linear_backend="torch"),
 }
 
 

@@ -1,0 +1,43 @@
+"""Choices an engine makes by timing two paths at start-up, kept in a file keyed by
+everything the choice depends on. Later starts on the same machine read the file instead
+of timing again, so two engines there make the same choice rather than each following its
+own noisy measurement (their outputs would then differ in the last bits)."""
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("batchpilot.engine")
+
+
+def path_for(directory: Path, kind: str, key: str) -> Path:
+    return directory / f"{kind}-verdict-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def read(path: Path, key: str, choices: tuple[str, ...]) -> dict | None:
+    """The verdict stored for key, or None (absent, unreadable, another key, a stale choice)."""
+    try:
+        verdict = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = verdict.get("key") == key and verdict.get("choice") in choices
+    return verdict if ok else None
+
+
+def write(path: Path, verdict: dict) -> bool:
+    """Atomically (engines starting together may race); False where the directory is
+    read-only, after a warning: the engine then measures again at its next start."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(verdict, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot cache a start-up timing verdict in %s: %s", path.parent, exc)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        return False
+    return True
