@@ -8,6 +8,9 @@ import hashlib
 import json
 import logging
 import os
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("batchpilot.engine")
@@ -41,3 +44,24 @@ def write(path: Path, verdict: dict) -> bool:
             tmp.unlink(missing_ok=True)
         return False
     return True
+
+
+def time_both(
+    run: Callable[[bool], object], budget_s: float, min_repeats: int, max_repeats: int
+) -> tuple[float, float]:
+    """Median ms of run(True) and run(False): one warm-up call of each, then as many pairs
+    as fit the budget (within the bounds), alternating which goes first, so that drifting
+    load from other processes hits both alike."""
+
+    def once(choice: bool) -> float:
+        start = time.perf_counter()
+        run(choice)
+        return time.perf_counter() - start
+
+    warm = once(True) + once(False)
+    repeats = min(max_repeats, max(min_repeats, int(budget_s / max(warm, 1e-6))))
+    taken: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(repeats):
+        for choice in (True, False) if i % 2 == 0 else (False, True):
+            taken[choice].append(once(choice))
+    return statistics.median(taken[True]) * 1e3, statistics.median(taken[False]) * 1e3

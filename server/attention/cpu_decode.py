@@ -15,8 +15,6 @@ import functools
 import hashlib
 import json
 import logging
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -247,15 +245,7 @@ def time_both(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dty
     metas = {kernel: build_metadata(seqs, TIMED_SEQS, block_size, dtype, cpu, kernel)
              for kernel in (True, False)}  # fmt: skip
 
-    def once(kernel: bool) -> float:
-        start = time.perf_counter()
+    def run(kernel: bool) -> None:
         paged_attention(q, k, k, kv, 0, metas[kernel], head_dim**-0.5)
-        return time.perf_counter() - start
 
-    warm = once(True) + once(False)
-    repeats = min(MAX_REPEATS, max(MIN_REPEATS, int(TIMING_BUDGET_S / max(warm, 1e-6))))
-    taken = {True: [], False: []}
-    for i in range(repeats):
-        for kernel in (True, False) if i % 2 == 0 else (False, True):
-            taken[kernel].append(once(kernel))
-    return statistics.median(taken[True]) * 1e3, statistics.median(taken[False]) * 1e3
+    return verdicts.time_both(run, TIMING_BUDGET_S, MIN_REPEATS, MAX_REPEATS)

@@ -15,8 +15,6 @@ import hashlib
 import json
 import logging
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -126,16 +124,8 @@ def time_both(weights: list[torch.Tensor]) -> tuple[float, float]:
     cases = [(torch.randn(rows, w.shape[1], generator=gen).to(w.dtype), w, pack(w))
              for w in weights for rows in TIMED_ROWS]  # fmt: skip
 
-    def once(onednn: bool) -> float:
-        start = time.perf_counter()
+    def run(onednn: bool) -> None:
         for x, w, packed in cases:
             prepacked_linear(x, packed, None) if onednn else F.linear(x, w)
-        return time.perf_counter() - start
 
-    warm = once(True) + once(False)
-    repeats = min(MAX_REPEATS, max(MIN_REPEATS, int(TIMING_BUDGET_S / max(warm, 1e-6))))
-    taken = {True: [], False: []}
-    for i in range(repeats):
-        for onednn in (True, False) if i % 2 == 0 else (False, True):
-            taken[onednn].append(once(onednn))
-    return statistics.median(taken[True]) * 1e3, statistics.median(taken[False]) * 1e3
+    return verdicts.time_both(run, TIMING_BUDGET_S, MIN_REPEATS, MAX_REPEATS)
