@@ -22,10 +22,13 @@ parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--temperature", type=float, default=0.0)
 parser.add_argument("--kernel-ab", action="store_true")
 parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+parser.add_argument("--linear-backend", default="auto", choices=("auto", "torch", "onednn"))
 args = parser.parse_args()
 
-engine = LLM(None, dtype=args.dtype, max_num_seqs=max(64, args.batch), max_model_len=2048).engine
-print(f"torch threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}")
+engine = LLM(None, dtype=args.dtype, max_num_seqs=max(64, args.batch), max_model_len=2048,
+             linear_backend=args.linear_backend).engine  # fmt: skip
+print(f"torch threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}, "
+      f"linear {engine.runner.linear_backend}")  # fmt: skip
 rng = random.Random(0)
 for i in range(args.batch):
     params = SamplingParams(max_tokens=128, temperature=args.temperature, ignore_eos=True, seed=i)

@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model dir or .gguf (default: bundled)")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="auto: bfloat16 where the CPU has AVX512-BF16 or AMX, else float32")  # fmt: skip
+    parser.add_argument("--linear-backend", default="auto", choices=("auto", "torch", "onednn"),
+                        help="batchpilot's linear_backend (the peers run torch's linear)")  # fmt: skip
     parser.add_argument("--concurrency", type=int, default=32,
                         help="batchpilot --max-num-seqs and every peer's batch size")  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -64,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     # (allocator growth, kernel selection for these shapes) out of the timed run.
     warmup = [TokenRequest(r.prompt_token_ids, 4) for r in requests[: args.concurrency]]
     engine_kwargs = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.concurrency,
-                         max_model_len=args.max_model_len, seed=args.seed)  # fmt: skip
+                         max_model_len=args.max_model_len, seed=args.seed,
+                         linear_backend=args.linear_backend)  # fmt: skip
     sequential = requests[: args.sequential_num_prompts]
     plan = {
         "continuous": lambda: engine_runs.batchpilot_generate(
@@ -140,6 +143,7 @@ def summarize(args, runs: list[SystemRun], eff: dict | None, requests, host: dic
         "date": time.strftime("%Y%m%d-%H%M%S"),
         "model": args.model or "bundled SmolLM2-135M-Instruct",
         "dtype": args.dtype,
+        "linear_backend": args.linear_backend,
         "concurrency": args.concurrency,
         "num_prompts": args.num_prompts,
         "output_lens": list(args.output_lens),

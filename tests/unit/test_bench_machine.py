@@ -27,7 +27,8 @@ def test_matmul_gflops_is_positive_in_fp32():
 
 def test_offline_summary_scales_each_system_by_the_roofline():
     args = argparse.Namespace(model=None, dtype="float32", concurrency=2, num_prompts=2,
-                              output_lens=(4,), prompt_repeats=(1,), seed=0, repeats=1)  # fmt: skip
+                              output_lens=(4,), prompt_repeats=(1,), seed=0, repeats=1,
+                              linear_backend="auto")  # fmt: skip
     requests = [TokenRequest([1] * 6, 4), TokenRequest([1] * 6, 4)]
     host = machine.cpu_info() | {"torch_threads": 1, "dtype": "float32",
                                  "matmul_peak_gflops": 1.0, "params": 10**6}  # fmt: skip
