@@ -13,7 +13,23 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
+from batchpilot.server.cpuinfo import cpu_flags
+
 log = logging.getLogger("batchpilot.engine")
+
+
+def flags_digest() -> str:
+    return hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+
+
+def key(**parts) -> str:
+    """A verdict's key: the given parts plus what every timing depends on (the CPU's
+    flags, torch and the threads it runs on)."""
+    machine = dict(cpu_flags=flags_digest(), torch=torch.__version__,
+                   threads=torch.get_num_threads())  # fmt: skip
+    return json.dumps(machine | parts, sort_keys=True)
 
 
 def path_for(directory: Path, kind: str, key: str) -> Path:

@@ -13,14 +13,12 @@ kernel's build, keyed by everything the verdict depends on; later starts read it
 
 import functools
 import hashlib
-import json
 import logging
 from pathlib import Path
 
 import torch
 
 from batchpilot.server import verdicts
-from batchpilot.server.cpuinfo import cpu_flags
 
 log = logging.getLogger("batchpilot.engine")
 
@@ -138,15 +136,11 @@ def load():
 
     try:
         log.info("building the CPU decode attention kernel (cached after the first time)")
-        return load_inline(f"batchpilot_cpu_decode_{_flags_digest()}", cpp_sources=SOURCE,
+        return load_inline(f"batchpilot_cpu_decode_{verdicts.flags_digest()}", cpp_sources=SOURCE,
                            functions=["paged_decode"], extra_cflags=CFLAGS)  # fmt: skip
     except Exception as exc:  # any build failure: the torch path is always correct
         log.warning("CPU decode attention kernel unavailable, using torch: %s", exc)
         return None
-
-
-def _flags_digest() -> str:
-    return hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
 
 
 def paged_decode(q, k_cache, v_cache, tables, lens, block_size: int, scale: float):
@@ -209,10 +203,7 @@ def verdict_key(shapes: dict) -> str:
     """Everything a verdict depends on: the kernel's code and flags, the CPU, torch, the
     threads it runs on, and the model's attention shapes."""
     code = hashlib.sha256((SOURCE + " ".join(CFLAGS)).encode()).hexdigest()[:12]
-    parts = dict(code=code, cpu_flags=_flags_digest(), torch=torch.__version__,
-                 threads=torch.get_num_threads(), seqs=TIMED_SEQS, context=TIMED_CONTEXT,
-                 **shapes)  # fmt: skip
-    return json.dumps(parts, sort_keys=True)
+    return verdicts.key(code=code, seqs=TIMED_SEQS, context=TIMED_CONTEXT, **shapes)
 
 
 def verdict_dir() -> Path:

@@ -11,8 +11,6 @@ both on the model's own weights when a float32 CPU engine starts, keeps the verd
 The packed weight replaces the dense one, so memory does not grow. The lm_head stays
 dense: when tied, the embedding lookup reads the same tensor."""
 
-import hashlib
-import json
 import logging
 import os
 from pathlib import Path
@@ -23,7 +21,7 @@ import torch.utils.cpp_extension
 from torch import nn
 
 from batchpilot.server import verdicts
-from batchpilot.server.cpuinfo import cpu_flags, cpuinfo_field
+from batchpilot.server.cpuinfo import cpuinfo_field
 
 log = logging.getLogger("batchpilot.engine")
 
@@ -101,11 +99,8 @@ def _verdict(layer, dtype: torch.dtype) -> str:
 
 def verdict_key(shapes: list, dtype: torch.dtype) -> str:
     """Everything the verdict depends on: the CPU, torch and its threads, the shapes."""
-    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
-    parts = dict(cpu=cpuinfo_field("model name"), cpu_flags=flags,
-                 torch=torch.__version__, threads=torch.get_num_threads(), shapes=shapes,
-                 dtype=str(dtype), rows=TIMED_ROWS, packed_rows=PACKED_ROWS)  # fmt: skip
-    return json.dumps(parts, sort_keys=True)
+    return verdicts.key(cpu=cpuinfo_field("model name"), shapes=shapes, dtype=str(dtype),
+                        rows=TIMED_ROWS, packed_rows=PACKED_ROWS)  # fmt: skip
 
 
 def verdict_dir() -> Path:
