@@ -12,6 +12,7 @@ import torch
 
 from batchpilot.server.config import EngineConfig
 from batchpilot.server.cpu_budget import cpu_threads
+from batchpilot.server.cpu_malloc import keep_freed_memory
 from batchpilot.server.device import resolve_device, resolve_dtype
 from batchpilot.server.faults import StepFailed
 from batchpilot.server.kv.block_pool import BlockPool, SwapSpace
@@ -42,6 +43,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(config.cpu_threads))
+            keep_freed_memory()
         loaded = load_model(config, resolve_dtype(config.dtype, self.device), self.device, stage)
         self.tokenizer, self.vocab_size = loaded.tokenizer, loaded.vocab_size
         stage(LOAD_STAGES[2])
