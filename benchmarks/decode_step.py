@@ -4,11 +4,13 @@
 with the CPU decode kernel on and off in turn, whatever start-up chose, so a shared
 machine's drifting load hits both alike. Run it under different `taskset` pinnings to see
 what the thread count costs on a loaded machine, e.g.
-`taskset -c 1 .venv/bin/python benchmarks/decode_step.py`."""
+`taskset -c 1 .venv/bin/python benchmarks/decode_step.py`. `--no-malloc-tuning` leaves
+glibc's malloc as it comes (server/cpu_malloc.py), for an A/B of its page faults."""
 
 import argparse
 import os
 import random
+import resource
 import statistics
 import time
 
@@ -23,7 +25,12 @@ parser.add_argument("--temperature", type=float, default=0.0)
 parser.add_argument("--kernel-ab", action="store_true")
 parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
 parser.add_argument("--linear-backend", default="auto", choices=("auto", "torch", "onednn"))
+parser.add_argument("--no-malloc-tuning", action="store_true")
 args = parser.parse_args()
+if args.no_malloc_tuning:
+    import batchpilot.server.engine
+
+    batchpilot.server.engine.keep_freed_memory = lambda: False
 
 engine = LLM(None, dtype=args.dtype, max_num_seqs=max(64, args.batch), max_model_len=2048,
              linear_backend=args.linear_backend).engine  # fmt: skip
@@ -43,12 +50,15 @@ chosen = engine.runner.attention_backend
 print(f"start-up chose {chosen}")
 modes = [True, False] * 20 if args.kernel_ab else [chosen == "cpu_kernel"] * 15
 times = {True: [], False: []}
+faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for on in modes:
     engine.runner.attention_backend = "cpu_kernel" if on else "torch"
     start = time.perf_counter()
     engine.step()
     times[on].append(time.perf_counter() - start)
+faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before) / len(modes)
 batch = engine.stats().last_step_batch_size
+print(f"minor page faults per step: {faults:.0f}")
 for on, taken in times.items():
     if taken:
         print(f"step at batch {batch}, temperature {args.temperature}, kernel "
