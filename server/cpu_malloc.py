@@ -2,8 +2,9 @@
 
 A decode step allocates and frees tensors of megabytes: the logits, the sampler's copies
 of them, prefill activations. glibc serves each allocation over its mmap threshold from a
-fresh mapping and unmaps it on free, so every step faults its working set in again page by
-page. On the bundled model at 40 sampling sequences that was 7,648 minor faults a step,
+fresh mapping and unmaps it on free. glibc raises that threshold by itself as blocks are
+freed, but with a step's mix of sizes the engine still faulted its working set in again
+every step, page by page. On the bundled model at 40 sampling sequences that was 7,648 minor faults a step,
 and the sampler took 18 ms a step instead of 7 (benchmarks/README.md). With the mmap
 threshold at glibc's ceiling and freed memory kept at the heap's top, the pages are reused
 and the step faults none.
