@@ -11,7 +11,7 @@ SUBCOMMANDS = {
     "bench": ("batchpilot.server.bench.cli", "offline, online and sweep benchmarks"),
     "operator": ("batchpilot.operator.cli", "run the Kubernetes operator or print its CRDs"),
     "activator": (
-        "batchpilot.operator.activator_cli",
+        "batchpilot.operator.activator.cli",
         "hold requests of services scaled to zero until a replica is Ready",
     ),
 }

@@ -140,7 +140,7 @@ def test_openai_completions_through_port_forward(forwarded, report):
     assert chat.choices[0].message.content, chat
 
 
-# --- the closed loop (operator/loop.py driven by the operator's kopf timers)
+# --- the closed loop (operator/loop/turn.py driven by the operator's kopf timers)
 
 
 def closed_loop_wired() -> bool:
@@ -206,7 +206,7 @@ def test_closed_loop_scales_on_queue_and_tunes_the_pods(
     kind, namespace, node_port, tmp_path, report
 ):
     if not closed_loop_wired():
-        pytest.skip("the operator's kopf timers do not run operator/loop.py yet (issue 10)")
+        pytest.skip("the operator's kopf timers do not run operator/loop/turn.py yet (issue 10)")
     generation = kind.get("deployment", SERVICE, "-n", namespace)["metadata"]["generation"]
     patch_spec(
         kind,

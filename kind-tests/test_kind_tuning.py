@@ -48,9 +48,9 @@ from kindsupport import (
     wait_for,
 )
 
-from batchpilot.operator.experiment import JudgeLimits
-from batchpilot.operator.tune import TuneLimits
-from batchpilot.operator.tuner_state import EngineSettings, Move
+from batchpilot.operator.loop.judge import JudgeLimits
+from batchpilot.operator.loop.tune import TuneLimits
+from batchpilot.operator.loop.tuner_state import EngineSettings, Move
 
 pytestmark = pytest.mark.kind
 

@@ -36,7 +36,7 @@ from kindsupport import (
     wait_for,
 )
 
-from batchpilot.operator.idle import WAKE_ANNOTATION
+from batchpilot.operator.loop.idle import WAKE_ANNOTATION
 from batchpilot.operator.resources import LABEL_ROUTED
 from batchpilot.server.cpuinfo import cpu_flags, cpuinfo_field
 

@@ -21,11 +21,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from batchpilot.operator.admin_client import AdapterRefused, AdminClient, AdminError
+from batchpilot.operator.loop.admin_client import AdapterRefused, AdminClient, AdminError
 from batchpilot.operator.crd import MAX_ADAPTER_REPLICAS_SHOWN, InferenceServiceSpec
-from batchpilot.operator.observe import Replica, ReplicaSource
+from batchpilot.operator.loop.observe import Replica, ReplicaSource
 from batchpilot.operator.resources import plan_adapters
-from batchpilot.operator.tuner_state import parse_timestamp, timestamp
+from batchpilot.operator.loop.tuner_state import parse_timestamp, timestamp
 
 # A replica that refused an adapter (a corrupt or mismatched one) is asked again only after
 # this: the files may be fixed in place, but asking every turn only fills the server's log.

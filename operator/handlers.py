@@ -34,7 +34,7 @@ from batchpilot.operator.crd import (
     check_name,
     parse_spec,
 )
-from batchpilot.operator.idle import WAKE_ANNOTATION
+from batchpilot.operator.loop.idle import WAKE_ANNOTATION
 from batchpilot.operator.kube import (
     ApiException,
     Kube,
@@ -42,8 +42,9 @@ from batchpilot.operator.kube import (
     new_api_client,
     post_event,
 )
-from batchpilot.operator.loop_timer import LoopTimer, adapters_wanted, loop_wanted
-from batchpilot.operator.resources import LoopState, Owner
+from batchpilot.operator.loop.timer import LoopTimer, adapters_wanted, loop_wanted
+from batchpilot.operator.loop.state import LoopState
+from batchpilot.operator.resources import Owner
 from batchpilot.operator.status import Problem
 
 log = logging.getLogger("batchpilot.operator")

@@ -54,7 +54,7 @@ RULES: list[dict] = [
 ]  # fmt: skip
 
 
-# The activator's (`batchpilot activator`, operator/activator_kube.py): it resolves a held
+# The activator's (`batchpilot activator`, operator/activator/kube.py): it resolves a held
 # request's Host to an InferenceService, asks for a replica by annotating it (wake), and
 # forwards to the service's Ready pods. The chart binds these to its own ServiceAccount.
 ACTIVATOR_PERMISSIONS: list[dict] = [

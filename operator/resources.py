@@ -20,7 +20,7 @@ from fractions import Fraction
 from batchpilot import names
 from batchpilot.operator.crd import API_VERSION, KIND, EngineSpec, InferenceServiceSpec, TokenRange
 from batchpilot.operator.flags import BOOL_KNOBS, ENABLE_LORA, ENGINE_KNOBS, LORA_KNOBS
-from batchpilot.operator.tuner_state import settings_from_status
+from batchpilot.operator.loop.state import LoopState
 
 PORT = names.DEFAULT_PORT
 PORT_NAME = "http"
@@ -117,30 +117,6 @@ class Owner:
     def from_body(cls, body: dict) -> Owner:
         meta = body["metadata"]
         return cls(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
-
-
-@dataclass(frozen=True)
-class LoopState:
-    """What the autoscaler and the tuner have decided, read back from status (None: nothing
-    yet). The builders persist it in the Deployment so that new pods start with it."""
-
-    replicas: int | None = None
-    max_num_seqs: int | None = None
-    kv_cache_dtype: str | None = None
-    max_num_batched_tokens: int | None = None
-    max_loras: int | None = None
-
-    @classmethod
-    def from_status(cls, status: dict | None) -> LoopState:
-        autoscaling = (status or {}).get("autoscaling") or {}
-        tuned = settings_from_status(status)  # the tuner's state has one reader
-        return cls(
-            replicas=autoscaling.get("desiredReplicas"),
-            max_num_seqs=tuned.max_num_seqs if tuned else None,
-            kv_cache_dtype=tuned.kv_cache_dtype if tuned else None,
-            max_num_batched_tokens=tuned.max_num_batched_tokens if tuned else None,
-            max_loras=tuned.max_loras if tuned else None,
-        )
 
 
 @dataclass(frozen=True)

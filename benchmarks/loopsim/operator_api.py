@@ -1,13 +1,14 @@
 """What the simulator reads from the operator the way the kopf side reads it: the settings
-in force and the pod template, from spec and status (operator/loop_timer.py and
+in force and the pod template, from spec and status (operator/loop/timer.py and
 resources.py), and the service's SLO."""
 
 from __future__ import annotations
 
 from batchpilot.operator.crd import EngineSpec, InferenceServiceSpec
-from batchpilot.operator.resources import LoopState, effective_engine, start_engine
-from batchpilot.operator.tune import TuneLimits
-from batchpilot.operator.tuner_state import EngineSettings
+from batchpilot.operator.loop.state import LoopState
+from batchpilot.operator.resources import effective_engine, start_engine
+from batchpilot.operator.loop.tune import TuneLimits
+from batchpilot.operator.loop.tuner_state import EngineSettings
 
 __all__ = [
     "EngineSettings",

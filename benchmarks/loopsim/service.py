@@ -5,7 +5,7 @@ start-up delay, drains the ones scaled away, rolls every replica on a KV dtype c
 either way (maxSurge, maxUnavailable 0), and every ``interval`` runs
 ``loop.ClosedLoop.run_once`` on the replicas' metrics, rendered as Prometheus text, with
 the status round-tripped the way the kopf side does it: merged into status, read back
-through ``resources.LoopState.from_status`` and ``effective_engine`` into the pod
+through ``loop.state.LoopState.from_status`` and ``effective_engine`` into the pod
 template. Live changes reach running replicas only through the admin fake.
 """
 
@@ -16,8 +16,8 @@ import itertools
 from dataclasses import dataclass
 
 from batchpilot.operator.crd import InferenceServiceSpec
-from batchpilot.operator.loop import ClosedLoop
-from batchpilot.operator.observe import Observer, Scrape
+from batchpilot.operator.loop.turn import ClosedLoop
+from batchpilot.operator.loop.observe import Observer, Scrape
 from benchmarks.loopsim.calibration import CPU, Calibration
 from benchmarks.loopsim.faults import NONE, FaultInjector, Faults
 from benchmarks.loopsim.operator_api import (

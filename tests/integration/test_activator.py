@@ -14,7 +14,7 @@ import openai
 import pytest
 from test_server_harness import TINY_FLAGS, ServerProcess
 
-from batchpilot.operator.activator import Activator
+from batchpilot.operator.activator.proxy import Activator
 
 MODEL = "tiny"
 HOST = "chat.team-a"

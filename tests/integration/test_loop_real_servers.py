@@ -14,12 +14,12 @@ import pytest
 from test_server_harness import BATCHPILOT, ServerProcess
 
 from batchpilot import names
-from batchpilot.operator.admin_client import AdminClient
+from batchpilot.operator.loop.admin_client import AdminClient
 from batchpilot.operator.crd import parse_spec
-from batchpilot.operator.loop import ClosedLoop
-from batchpilot.operator.observe import Observer, UrlMetricsSource
-from batchpilot.operator.tune import TuneLimits
-from batchpilot.operator.tuner_state import EngineSettings
+from batchpilot.operator.loop.turn import ClosedLoop
+from batchpilot.operator.loop.observe import Observer, UrlMetricsSource
+from batchpilot.operator.loop.tune import TuneLimits
+from batchpilot.operator.loop.tuner_state import EngineSettings
 
 pytestmark = pytest.mark.slow
 

@@ -21,9 +21,9 @@ from test_operator_cluster import Api, wait_for
 from test_operator_loop_cluster import api, operator, server, start, tiny_path  # noqa: F401 (fixtures)
 
 from batchpilot.operator import resources
-from batchpilot.operator.activator_kube import KubeTargets
-from batchpilot.operator.idle import WAKE_ANNOTATION
-from batchpilot.operator.tuner_state import parse_timestamp, timestamp
+from batchpilot.operator.activator.kube import KubeTargets
+from batchpilot.operator.loop.idle import WAKE_ANNOTATION
+from batchpilot.operator.loop.tuner_state import parse_timestamp, timestamp
 
 pytestmark = pytest.mark.cluster
 

@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from batchpilot.operator.activator import Activator, parse_host
-from batchpilot.operator.hold_queue import HoldQueue, QueueFull
+from batchpilot.operator.activator.proxy import Activator, parse_host
+from batchpilot.operator.activator.hold_queue import HoldQueue, QueueFull
 
 HOST = "chat.team-a"
 TARGET = ("team-a", "chat")
@@ -124,7 +124,7 @@ def assert_openai_error(body: dict, status: int, error_type: str) -> None:
 def test_the_activator_needs_only_the_operator_images_dependencies():
     code = (
         "import sys\n"
-        "import batchpilot.operator.activator, batchpilot.operator.activator_kube\n"
+        "import batchpilot.operator.activator.proxy, batchpilot.operator.activator.kube\n"
         "from batchpilot.cli import build_parser\n"
         "args = build_parser(['activator']).parse_args(['activator', '--hold-timeout-seconds',"
         " '9'])\n"

@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 
 from batchpilot.operator.crd import parse_spec
-from batchpilot.operator.idle import IdleState, busy, decide_idle
-from batchpilot.operator.loop import ClosedLoop
-from batchpilot.operator.tuner_state import EngineSettings, parse_timestamp
+from batchpilot.operator.loop.idle import IdleState, busy, decide_idle
+from batchpilot.operator.loop.turn import ClosedLoop
+from batchpilot.operator.loop.tuner_state import EngineSettings, parse_timestamp
 from tests.unit.test_loop_closed_loop import Replicas
 from tests.unit.test_loop_laws import window
 

@@ -8,11 +8,11 @@ import asyncio
 
 from batchpilot import names
 from batchpilot.operator.crd import parse_spec
-from batchpilot.operator.loop import ClosedLoop
-from batchpilot.operator.observe import Scrape
-from batchpilot.operator.resources import LoopState
-from batchpilot.operator.tune import TuneLimits
-from batchpilot.operator.tuner_state import EngineSettings
+from batchpilot.operator.loop.turn import ClosedLoop
+from batchpilot.operator.loop.observe import Scrape
+from batchpilot.operator.loop.state import LoopState
+from batchpilot.operator.loop.tune import TuneLimits
+from batchpilot.operator.loop.tuner_state import EngineSettings
 from benchmarks.loopsim import EngineModel, ReplicaConfig, ReplicaSim, Request
 
 SPEC = parse_spec(

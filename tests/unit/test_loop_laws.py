@@ -13,22 +13,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpilot.operator.autoscale import (
+from batchpilot.operator.loop.autoscale import (
     Recommendation,
     ScaleDecision,
     ScaleHistory,
     decide_replicas,
 )
 from batchpilot.operator.crd import AutoscalingSpec, parse_spec
-from batchpilot.operator.loop import (
+from batchpilot.operator.loop.turn import (
     EMERGENCY_QUEUE_FACTOR,
     ENGINE_CHANGE_FREEZE_SECONDS,
     arbitrate,
     blindness,
 )
-from batchpilot.operator.observe import RoundResult, Window, merge_windows
-from batchpilot.operator.tune import View, decide_tuning, thrash_per_1k
-from batchpilot.operator.tuner_state import EngineSettings, Experiment, TuneDecision, TunerState
+from batchpilot.operator.loop.observe import RoundResult, Window, merge_windows
+from batchpilot.operator.loop.tune import View, decide_tuning, thrash_per_1k
+from batchpilot.operator.loop.tuner_state import EngineSettings, Experiment, TuneDecision, TunerState
 
 
 def window(

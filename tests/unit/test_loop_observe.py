@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from batchpilot import names
-from batchpilot.operator.observe import (
+from batchpilot.operator.loop.observe import (
     MalformedMetrics,
     Observer,
     Scrape,

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 
 from batchpilot.operator.crd import parse_spec
-from batchpilot.operator.loop import ClosedLoop
-from batchpilot.operator.observe import Scrape
-from batchpilot.operator.tuner_state import EngineSettings
+from batchpilot.operator.loop.turn import ClosedLoop
+from batchpilot.operator.loop.observe import Scrape
+from batchpilot.operator.loop.tuner_state import EngineSettings
 from benchmarks.loopsim import EngineModel, ReplicaConfig, ReplicaSim, Request
 
 SPEC = parse_spec(

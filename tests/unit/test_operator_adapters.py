@@ -26,7 +26,7 @@ from batchpilot.operator.adapters import (
     events,
     plan_replica,
 )
-from batchpilot.operator.admin_client import (
+from batchpilot.operator.loop.admin_client import (
     LOAD_PATH,
     MODELS_PATH,
     UNLOAD_PATH,
@@ -35,10 +35,10 @@ from batchpilot.operator.admin_client import (
     AdminError,
 )
 from batchpilot.operator.crd import SpecError, parse_spec
-from batchpilot.operator.loop import tuning_event
-from batchpilot.operator.observe import Replica, merge_windows, parse_metrics, replica_window
-from batchpilot.operator.tune import View, decide_tuning
-from batchpilot.operator.tuner_state import EngineSettings, TuneDecision, TunerState
+from batchpilot.operator.loop.turn import tuning_event
+from batchpilot.operator.loop.observe import Replica, merge_windows, parse_metrics, replica_window
+from batchpilot.operator.loop.tune import View, decide_tuning
+from batchpilot.operator.loop.tuner_state import EngineSettings, TuneDecision, TunerState
 from tests.unit.test_loop_laws import tw
 
 OWNER = r.Owner("chat", "ns", "uid-1")

@@ -6,7 +6,7 @@ import socket
 
 from aiohttp import web
 
-from batchpilot.operator.admin_client import PATH, AdminClient
+from batchpilot.operator.loop.admin_client import PATH, AdminClient
 
 TOKEN = "secret"
 

@@ -109,7 +109,7 @@ def test_admin_urls_pair_with_metrics_urls():
 
     from batchpilot.cli import build_parser
     from batchpilot.operator.cli import config_from_args
-    from batchpilot.operator.observe import UrlMetricsSource, on_port
+    from batchpilot.operator.loop.observe import UrlMetricsSource, on_port
 
     args = build_parser(["operator"]).parse_args(
         ["operator", "-A", "--metrics-urls", "http://h:9,http://h:10",

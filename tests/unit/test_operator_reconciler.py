@@ -479,7 +479,7 @@ class QueuedSource:
     """Two replicas with a long queue: what a real overloaded service reports."""
 
     async def scrape(self, namespace, name):
-        from batchpilot.operator.observe import Scrape
+        from batchpilot.operator.loop.observe import Scrape
 
         text = metrics_text(waiting=20, running=8, max_num_seqs=8)
         return [
@@ -491,9 +491,9 @@ class QueuedSource:
 def test_loop_timer_scales_through_status_and_the_reconcile(kube, rec):
     import asyncio
 
-    from batchpilot.operator.admin_client import AdminClient
-    from batchpilot.operator.loop import ClosedLoop
-    from batchpilot.operator.loop_timer import LoopTimer
+    from batchpilot.operator.loop.admin_client import AdminClient
+    from batchpilot.operator.loop.turn import ClosedLoop
+    from batchpilot.operator.loop.timer import LoopTimer
 
     autoscaling = {"enabled": True, "minReplicas": 2, "maxReplicas": 8, "targetQueueLength": 2,
                    "scaleUpStabilizationSeconds": 0}  # fmt: skip
@@ -519,9 +519,9 @@ def test_loop_timer_scales_through_status_and_the_reconcile(kube, rec):
 def test_loop_timer_leaves_replicas_to_an_hpa(kube, rec):
     import asyncio
 
-    from batchpilot.operator.admin_client import AdminClient
-    from batchpilot.operator.loop import ClosedLoop
-    from batchpilot.operator.loop_timer import LoopTimer
+    from batchpilot.operator.loop.admin_client import AdminClient
+    from batchpilot.operator.loop.turn import ClosedLoop
+    from batchpilot.operator.loop.timer import LoopTimer
 
     autoscaling = {"enabled": True, "mode": "hpa", "scaleUpStabilizationSeconds": 0}
     rec.reconcile(kube.add_isvc("chat", {"autoscaling": autoscaling, "replicas": 2}))

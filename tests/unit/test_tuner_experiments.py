@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from batchpilot.operator.crd import parse_spec
-from batchpilot.operator.experiment import (
+from batchpilot.operator.loop.judge import (
     JudgeLimits,
     Targets,
     judge,
@@ -21,10 +21,10 @@ from batchpilot.operator.experiment import (
     score,
     share_within,
 )
-from batchpilot.operator.loop import live_targets
-from batchpilot.operator.observe import Window, merge_windows
-from batchpilot.operator.tune import TuneLimits, View, decide_tuning
-from batchpilot.operator.tuner_state import EngineSettings, Move, Score, TunerState, Verdict
+from batchpilot.operator.loop.turn import live_targets
+from batchpilot.operator.loop.observe import Window, merge_windows
+from batchpilot.operator.loop.tune import TuneLimits, View, decide_tuning
+from batchpilot.operator.loop.tuner_state import EngineSettings, Move, Score, TunerState, Verdict
 
 R0, R1, R2, R3 = (f"http://r{i}" for i in range(4))
 AT8 = EngineSettings(8, "auto")

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from batchpilot.operator.tuner_state import (
+from batchpilot.operator.loop.tuner_state import (
     HISTORY_LENGTH,
     VERDICTS_KEPT,
     EngineSettings,

@@ -35,18 +35,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from batchpilot.operator.admin_client import AdminClient
-from batchpilot.operator.autoscale import (
+from batchpilot.operator.loop.admin_client import AdminClient
+from batchpilot.operator.loop.autoscale import (
     Recommendation,
     ScaleDecision,
     ScaleHistory,
     decide_replicas,
 )
 from batchpilot.operator.crd import InferenceServiceSpec
-from batchpilot.operator.idle import IdleState, decide_idle
-from batchpilot.operator.observe import MetricsSource, Observer, RoundResult, Window
-from batchpilot.operator.tune import TuneLimits, View, decide_tuning
-from batchpilot.operator.tuner_state import (
+from batchpilot.operator.loop.idle import IdleState, decide_idle
+from batchpilot.operator.loop.observe import MetricsSource, Observer, RoundResult, Window
+from batchpilot.operator.loop.tune import TuneLimits, View, decide_tuning
+from batchpilot.operator.loop.tuner_state import (
     EngineSettings,
     TuneDecision,
     TunerState,

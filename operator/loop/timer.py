@@ -20,15 +20,16 @@ from kubernetes import client
 from batchpilot import names
 from batchpilot.operator import probes, resources
 from batchpilot.operator.adapters import AdapterSync, failures
-from batchpilot.operator.admin_client import AdminClient
+from batchpilot.operator.loop.admin_client import AdminClient
 from batchpilot.operator.config import OperatorConfig
 from batchpilot.operator.crd import InferenceServiceSpec, SpecError, parse_spec
-from batchpilot.operator.idle import WAKE_ANNOTATION
+from batchpilot.operator.loop.idle import WAKE_ANNOTATION
 from batchpilot.operator.kube import post_event
-from batchpilot.operator.loop import ClosedLoop, LoopOutcome
-from batchpilot.operator.observe import PodMetricsSource, ReplicaSource, UrlMetricsSource
-from batchpilot.operator.resources import LoopState, Owner
-from batchpilot.operator.tuner_state import EngineSettings, parse_timestamp
+from batchpilot.operator.loop.turn import ClosedLoop, LoopOutcome
+from batchpilot.operator.loop.observe import PodMetricsSource, ReplicaSource, UrlMetricsSource
+from batchpilot.operator.loop.state import LoopState
+from batchpilot.operator.resources import Owner
+from batchpilot.operator.loop.tuner_state import EngineSettings, parse_timestamp
 
 if TYPE_CHECKING:
     from batchpilot.operator.handlers import Reconciler

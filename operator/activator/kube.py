@@ -13,12 +13,12 @@ import time
 from kubernetes import client
 
 from batchpilot.operator import resources
-from batchpilot.operator.activator import is_ip
+from batchpilot.operator.activator.proxy import is_ip
 from batchpilot.operator.crd import GROUP, PLURAL, VERSION
-from batchpilot.operator.idle import WAKE_ANNOTATION
+from batchpilot.operator.loop.idle import WAKE_ANNOTATION
 from batchpilot.operator.kube import TIMEOUT
-from batchpilot.operator.observe import ready_pod_urls
-from batchpilot.operator.tuner_state import timestamp
+from batchpilot.operator.loop.observe import ready_pod_urls
+from batchpilot.operator.loop.tuner_state import timestamp
 
 # resolve() answers are kept this long: a burst of requests for one bare host name or
 # ClusterIP costs one lookup. Unknown hosts are kept too, so that junk costs no more.

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import signal
 
-from batchpilot.operator import activator
+from batchpilot.operator.activator import proxy as activator
 
 
 def _positive(kind: type):
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from batchpilot.operator.activator_kube import KubeTargets
+    from batchpilot.operator.activator.kube import KubeTargets
     from batchpilot.operator.kube import new_api_client
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")

@@ -34,9 +34,9 @@ import statistics
 from dataclasses import dataclass, replace
 
 from batchpilot.operator.crd import InferenceServiceSpec
-from batchpilot.operator.experiment import Targets, judge, misses_slo, score
-from batchpilot.operator.observe import Window, histogram_quantile, merge_windows
-from batchpilot.operator.tuner_state import (
+from batchpilot.operator.loop.judge import Targets, judge, misses_slo, score
+from batchpilot.operator.loop.observe import Window, histogram_quantile, merge_windows
+from batchpilot.operator.loop.tuner_state import (
     EngineSettings,
     Experiment,
     Kind,

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from batchpilot.operator.crd import AutoscalingSpec
-from batchpilot.operator.observe import Window
+from batchpilot.operator.loop.observe import Window
 
 TOLERANCE = 0.1  # HPA's default: a ratio within 10% of 1 is no reason to move
 KV_USAGE_FLOOR = 0.05  # below this the KV cache says nothing about how many sequences fit

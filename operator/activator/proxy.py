@@ -33,7 +33,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from batchpilot.operator.hold_queue import HoldQueue, QueueFull
+from batchpilot.operator.activator.hold_queue import HoldQueue, QueueFull
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchpilot.operator.observe import Buckets, Window, histogram_quantile
-from batchpilot.operator.tuner_state import Score
+from batchpilot.operator.loop.observe import Buckets, Window, histogram_quantile
+from batchpilot.operator.loop.tuner_state import Score
 
 
 @dataclass(frozen=True)

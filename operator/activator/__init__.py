@@ -1,0 +1,1 @@
+"""The activator: holds requests for services scaled to zero until a replica is Ready."""
