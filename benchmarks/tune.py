@@ -42,19 +42,15 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from batchpilot import names
+from batchpilot.operator.crd.spec import parse_spec
 from batchpilot.operator.loop.admin_client import AdminClient
-from batchpilot.operator.crd import parse_spec
 from batchpilot.operator.loop.judge import Targets, score
+from batchpilot.operator.loop.observe import Observer, Window, parse_metrics
+from batchpilot.operator.loop.scrape import UrlMetricsSource, on_port
+from batchpilot.operator.loop.state import settings_from_status
+from batchpilot.operator.loop.tune_rules import TuneLimits
+from batchpilot.operator.loop.tuner_state import EngineSettings
 from batchpilot.operator.loop.turn import ClosedLoop
-from batchpilot.operator.loop.observe import (
-    Observer,
-    UrlMetricsSource,
-    Window,
-    on_port,
-    parse_metrics,
-)
-from batchpilot.operator.loop.tune import TuneLimits
-from batchpilot.operator.loop.tuner_state import EngineSettings, settings_from_status
 from batchpilot.server.bench.server_process import running_server
 from benchmarks.realtune import report
 from benchmarks.realtune.load import ClosedLoad

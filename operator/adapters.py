@@ -3,7 +3,7 @@ live, through the replica's admin API (load_lora_adapter / unload_lora_adapter).
 
 The pod template never lists the adapters (no --lora-modules), so adding or removing one
 rolls nothing: a new replica starts with the list the service's ConfigMap held when it was
-made (resources.LORA_MODULES_KEY), and every Ready replica is brought to the spec's list
+made (children/config_map.py's LORA_MODULES_KEY), and every Ready replica is brought to the spec's list
 here, the turn that first sees it included. What each replica holds is read from its /v1/models where it can be (an
 --api-key hides it); otherwise every spec adapter is loaded again each turn (loading is
 idempotent: "already loaded" counts as loaded) and every adapter status still names is
@@ -11,7 +11,7 @@ unloaded (404, not loaded, counts as unloaded). status.adapters is the memory be
 and restarts: each adapter's path and state per replica.
 
 Pure parts first (what to do on one replica, what status says after), then the I/O shell
-``AdapterSync``, which the kopf timer in handlers.py runs.
+``AdapterSync``, which loop/timer.py runs on the kopf adapter timer.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from batchpilot.operator.children.plan import plan_adapters
+from batchpilot.operator.crd.spec import InferenceServiceSpec
+from batchpilot.operator.crd.status import MAX_ADAPTER_REPLICAS_SHOWN
 from batchpilot.operator.loop.admin_client import AdapterRefused, AdminClient, AdminError
-from batchpilot.operator.crd import MAX_ADAPTER_REPLICAS_SHOWN, InferenceServiceSpec
-from batchpilot.operator.loop.observe import Replica, ReplicaSource
-from batchpilot.operator.resources import plan_adapters
-from batchpilot.operator.loop.tuner_state import parse_timestamp, timestamp
+from batchpilot.operator.loop.scrape import Replica, ReplicaSource
+from batchpilot.operator.loop.timestamps import parse_timestamp, timestamp
 
 # A replica that refused an adapter (a corrupt or mismatched one) is asked again only after
 # this: the files may be fixed in place, but asking every turn only fills the server's log.

@@ -2,7 +2,7 @@
 
     batchpilot operator -A                      # every namespace
     batchpilot operator -n team-a -n team-b     # some namespaces
-    batchpilot operator crds --output crds/     # regenerate crds/ from operator/crd.py
+    batchpilot operator crds --output crds/     # regenerate crds/ from operator/crd/
     batchpilot operator crds --check crds/      # exit 1 when crds/ is stale
 
 Imports stay light until the operator runs: no torch, transformers or triton, ever.
@@ -198,9 +198,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _crds(args: argparse.Namespace) -> int:
-    from batchpilot.operator import crd
+    from batchpilot.operator.crd import manifests
 
-    files = crd.rendered_files()
+    files = manifests.rendered_files()
     if args.check:
         stale = [
             n
@@ -211,7 +211,7 @@ def _crds(args: argparse.Namespace) -> int:
             print(f"{args.check / name} is stale: run `make crds`", file=sys.stderr)
         return 1 if stale else 0
     if args.output:
-        for path in crd.write_crds(args.output):
+        for path in manifests.write_crds(args.output):
             print(path)
         return 0
     sys.stdout.write("---\n".join(text.split("\n", 1)[1] for text in files.values()))

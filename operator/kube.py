@@ -18,7 +18,7 @@ from kubernetes import client, config, dynamic
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from batchpilot.operator.config import FIELD_MANAGER
-from batchpilot.operator.crd import API_VERSION, KIND
+from batchpilot.operator.crd.api import API_VERSION, KIND
 
 ApiException = client.ApiException
 

@@ -3,14 +3,14 @@
 An InferenceService `web` names its children `web`, `web-engine`, ... Objects of those names
 may already exist, made by someone else; the operator must neither take them over (apply
 forces its fields and adds its owner reference, so deleting the InferenceService would then
-garbage-collect them) nor delete them. Pure functions on plain dicts; handlers.py reads the
+garbage-collect them) nor delete them. Pure functions on plain dicts; reconcile.py reads the
 live objects and acts on the verdicts.
 """
 
 from __future__ import annotations
 
-from batchpilot.operator.crd import GROUP, KIND
-from batchpilot.operator.resources import Owner
+from batchpilot.operator.children.meta import Owner
+from batchpilot.operator.crd.api import GROUP, KIND
 
 NAME_CONFLICT_HINT = "rename the InferenceService, or delete or rename the object"
 

@@ -4,7 +4,7 @@ as a ServiceAccount bound to exactly these)."""
 
 from __future__ import annotations
 
-from batchpilot.operator.crd import GROUP, PLURAL
+from batchpilot.operator.crd.api import GROUP, PLURAL
 
 CHILD_VERBS = ["get", "list", "watch", "create", "patch", "update"]
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from batchpilot.operator import resources
+from batchpilot.operator.children.engine_args import read_engine_settings
+from batchpilot.operator.children.meta import selector_string
+from batchpilot.operator.children.pod import CONTAINER
 
 READY = "Ready"
 PROGRESSING = "Progressing"
@@ -103,7 +105,7 @@ class DeploymentView:
         conds = {c.get("type"): c for c in st.get("conditions") or []}
         prog, fail = conds.get("Progressing") or {}, conds.get("ReplicaFailure") or {}
         containers = ((spec.get("template") or {}).get("spec") or {}).get("containers") or []
-        server = next((c for c in containers if c.get("name") == resources.CONTAINER), {})
+        server = next((c for c in containers if c.get("name") == CONTAINER), {})
         return cls(
             desired=spec.get("replicas", 1),
             observed=st.get("observedGeneration", 0) >= dep["metadata"].get("generation", 0),
@@ -118,7 +120,7 @@ class DeploymentView:
             if fail.get("status") == "True"
             else None,
             image=server.get("image"),
-            engine=resources.read_engine_settings(dep),
+            engine=read_engine_settings(dep),
         )
 
     @property
@@ -256,7 +258,7 @@ def compute_status(
         "replicas": d.replicas if d else 0,
         "readyReplicas": d.ready if d else 0,
         "updatedReplicas": d.updated if d else 0,
-        "selector": resources.selector_string(name),
+        "selector": selector_string(name),
         "conditions": [
             _condition(prev, READY, *ready(d, problem, to_activator), generation, now),
             _condition(prev, PROGRESSING, *progressing(d, problem), generation, now),

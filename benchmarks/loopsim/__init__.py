@@ -1,4 +1,4 @@
-"""The closed loop in simulation: the operator's real loop (``loop.ClosedLoop``) against
+"""The closed loop in simulation: the operator's real loop (``loop.turn.ClosedLoop``) against
 simulated replicas that respond to its decisions. Used by tests and benchmarks only, so
 it lives outside the operator image's package.
 

@@ -21,7 +21,7 @@ GiB = 1 << 30
 @dataclass(frozen=True)
 class EngineModel:
     """This CPU's figures by default: the engine benchmark on the bundled
-    SmolLM2-135M-Instruct, bfloat16, 2 CPU cores (benchmarks/README.md, results/*.json).
+    SmolLM2-135M-Instruct, bfloat16, 2 CPU cores (benchmarks/HISTORY.md, results/*.json).
 
     - step time = 40.8 ms + 2.55 ms per sequence + 2.3 µs per context token + 0.8 ms per
       prefill token. The first two are a least-squares fit of the online sweep's TPOT P50

@@ -1,13 +1,14 @@
 """What the simulator reads from the operator the way the kopf side reads it: the settings
 in force and the pod template, from spec and status (operator/loop/timer.py and
-resources.py), and the service's SLO."""
+operator/children/plan.py), and the service's SLO."""
 
 from __future__ import annotations
 
-from batchpilot.operator.crd import EngineSpec, InferenceServiceSpec
+from batchpilot.operator.children.plan import effective_engine, start_engine
+from batchpilot.operator.crd.engine import EngineSpec
+from batchpilot.operator.crd.spec import InferenceServiceSpec
 from batchpilot.operator.loop.state import LoopState
-from batchpilot.operator.resources import effective_engine, start_engine
-from batchpilot.operator.loop.tune import TuneLimits
+from batchpilot.operator.loop.tune_rules import TuneLimits
 from batchpilot.operator.loop.tuner_state import EngineSettings
 
 __all__ = [
@@ -30,7 +31,7 @@ def slo_targets(spec: InferenceServiceSpec) -> tuple[float, float]:
 
 
 def settings_in_force(spec: InferenceServiceSpec, status: dict) -> EngineSettings:
-    """loop_timer.settings_in_force for a Deployment that records what status planned
+    """loop.timer.settings_in_force for a Deployment that records what status planned
     (the simulated rollout applies a new template at once). The step budget is live only,
     so it counts only where the tuner owns it."""
     planned = effective_engine(spec, LoopState.from_status(status))

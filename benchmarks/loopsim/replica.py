@@ -1,7 +1,7 @@
 """One simulated replica: a queueing model of ``batchpilot serve``'s engine, step by step,
 in simulated time (hours of serving in seconds, no model, no torch).
 
-As server/scheduler.py does it: swapped sequences come back first; running sequences
+As server/engine/scheduler.py does it: swapped sequences come back first; running sequences
 decode (one token each); the step's token budget ``max_num_batched_tokens`` minus those
 decodes goes to prefill chunks, first of prompts already admitted, then of waiting
 requests admitted FCFS while ``max_num_seqs`` and the KV blocks allow (admission reserves

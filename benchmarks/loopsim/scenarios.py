@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from batchpilot.operator.crd import InferenceServiceSpec, parse_spec
+from batchpilot.operator.crd.spec import InferenceServiceSpec, parse_spec
 from benchmarks.loopsim.calibration import CPU, H100_LLAMA3_8B, Calibration
 from benchmarks.loopsim.replica import StepNoise
 from benchmarks.loopsim.workloads import Workload, bursty, diurnal, heavy_prefill, steady, step_load

@@ -3,7 +3,7 @@
 The driver routes arrivals round-robin over Ready replicas, starts replicas after a
 start-up delay, drains the ones scaled away, rolls every replica on a KV dtype change
 either way (maxSurge, maxUnavailable 0), and every ``interval`` runs
-``loop.ClosedLoop.run_once`` on the replicas' metrics, rendered as Prometheus text, with
+``loop.turn.ClosedLoop.run_once`` on the replicas' metrics, rendered as Prometheus text, with
 the status round-tripped the way the kopf side does it: merged into status, read back
 through ``loop.state.LoopState.from_status`` and ``effective_engine`` into the pod
 template. Live changes reach running replicas only through the admin fake.
@@ -15,9 +15,11 @@ import asyncio
 import itertools
 from dataclasses import dataclass
 
-from batchpilot.operator.crd import InferenceServiceSpec
+from batchpilot.operator.crd.spec import InferenceServiceSpec
+from batchpilot.operator.loop.observe import Observer
+from batchpilot.operator.loop.scrape import Scrape
+from batchpilot.operator.loop.state import LoopState
 from batchpilot.operator.loop.turn import ClosedLoop
-from batchpilot.operator.loop.observe import Observer, Scrape
 from benchmarks.loopsim.calibration import CPU, Calibration
 from benchmarks.loopsim.faults import NONE, FaultInjector, Faults
 from benchmarks.loopsim.operator_api import (
@@ -266,6 +268,7 @@ class ServiceSim:
         engines = [p.engine for p in self.pods]
         settings = self.settings(status)
         window = self.loop.observer.window("sim/service")
+        desired = LoopState.from_status(status).replicas
         return TracePoint(
             time=self.now,
             offered_per_second=arrived / self.interval,
@@ -273,7 +276,7 @@ class ServiceSim:
             running=sum(e.num_running for e in engines),
             swapped=sum(len(e.swapped) for e in engines),
             ready_replicas=len(self.ready(self.now)),
-            desired_replicas=(status.get("autoscaling") or {}).get("desiredReplicas", len(engines)),
+            desired_replicas=len(engines) if desired is None else desired,
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             kv_cache_dtype=settings.kv_cache_dtype,

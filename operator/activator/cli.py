@@ -11,7 +11,13 @@ import asyncio
 import logging
 import signal
 
-from batchpilot.operator.activator import proxy as activator
+from batchpilot.operator.activator.proxy import (
+    HOLD_TIMEOUT_SECONDS,
+    MAX_BODY_BYTES,
+    MAX_HELD_BYTES,
+    MAX_HELD_PER_SERVICE,
+    Activator,
+)
 
 
 def _positive(kind: type):
@@ -36,33 +42,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-held-per-service",
         type=_positive(int),
-        default=activator.MAX_HELD_PER_SERVICE,
+        default=MAX_HELD_PER_SERVICE,
         metavar="N",
         help="requests held per service; beyond, 429 with Retry-After "
-        f"(default {activator.MAX_HELD_PER_SERVICE})",
+        f"(default {MAX_HELD_PER_SERVICE})",
     )
     parser.add_argument(
         "--hold-timeout-seconds",
         type=_positive(float),
-        default=activator.HOLD_TIMEOUT_SECONDS,
+        default=HOLD_TIMEOUT_SECONDS,
         metavar="SECONDS",
-        help=f"a request held longer gets 503 (default {activator.HOLD_TIMEOUT_SECONDS:g})",
+        help=f"a request held longer gets 503 (default {HOLD_TIMEOUT_SECONDS:g})",
     )
     parser.add_argument(
         "--max-body-bytes",
         type=_positive(int),
-        default=activator.MAX_BODY_BYTES,
+        default=MAX_BODY_BYTES,
         metavar="BYTES",
-        help=f"larger request bodies get 413 (default {activator.MAX_BODY_BYTES}, the server's)",
+        help=f"larger request bodies get 413 (default {MAX_BODY_BYTES}, the server's)",
     )
 
     parser.add_argument(
         "--max-held-bytes",
         type=_positive(int),
-        default=activator.MAX_HELD_BYTES,
+        default=MAX_HELD_BYTES,
         metavar="BYTES",
         help="request bodies held at once over every service; beyond, 429 with Retry-After "
-        f"(default {activator.MAX_HELD_BYTES}: keep it well under the pod's memory limit)",
+        f"(default {MAX_HELD_BYTES}: keep it well under the pod's memory limit)",
     )
 
 
@@ -72,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     targets = KubeTargets(new_api_client())
-    app = activator.Activator(
+    app = Activator(
         targets.resolve,
         targets.wake,
         targets.endpoints,
@@ -86,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(app: activator.Activator, host: str, port: int) -> None:
+async def _serve(app: Activator, host: str, port: int) -> None:
     """Serve until SIGINT or SIGTERM."""
     runner = await app.start(host, port)
     stop = asyncio.Event()

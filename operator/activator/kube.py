@@ -1,5 +1,5 @@
 """The activator's Kubernetes side: ``resolve``, ``wake`` and ``endpoints`` against the API
-server (in-cluster credentials, else $KUBECONFIG, as the operator's own: kube.py).
+server (in-cluster credentials, else $KUBECONFIG, as the operator's own: operator/kube.py).
 
 The client library is synchronous; each call runs on a thread so that the activator's event
 loop keeps serving while the API server answers.
@@ -12,13 +12,13 @@ import time
 
 from kubernetes import client
 
-from batchpilot.operator import resources
 from batchpilot.operator.activator.proxy import is_ip
-from batchpilot.operator.crd import GROUP, PLURAL, VERSION
-from batchpilot.operator.loop.idle import WAKE_ANNOTATION
+from batchpilot.operator.children.meta import MANAGED_SELECTOR, PORT, selector_string
+from batchpilot.operator.crd.api import GROUP, PLURAL, VERSION
 from batchpilot.operator.kube import TIMEOUT
-from batchpilot.operator.loop.observe import ready_pod_urls
-from batchpilot.operator.loop.tuner_state import timestamp
+from batchpilot.operator.loop.idle import WAKE_ANNOTATION
+from batchpilot.operator.loop.scrape import ready_pod_urls
+from batchpilot.operator.loop.timestamps import timestamp
 
 # resolve() answers are kept this long: a burst of requests for one bare host name or
 # ClusterIP costs one lookup. Unknown hosts are kept too, so that junk costs no more.
@@ -67,17 +67,17 @@ class KubeTargets:
         pods = await asyncio.to_thread(
             self.core.list_namespaced_pod,
             namespace,
-            label_selector=resources.selector_string(name),
+            label_selector=selector_string(name),
             _request_timeout=TIMEOUT,
         )
-        return ready_pod_urls(pods.items, resources.PORT)
+        return ready_pod_urls(pods.items, PORT)
 
     def _by_cluster_ip(self, ip: str) -> tuple[str, str] | None:
         services = self.core.list_service_for_all_namespaces(
-            label_selector=resources.MANAGED_SELECTOR, _request_timeout=TIMEOUT
+            label_selector=MANAGED_SELECTOR, _request_timeout=TIMEOUT
         )
         for svc in services.items:
-            # The operator names an InferenceService's Service after it (resources.py).
+            # The operator names an InferenceService's Service after it (children/service.py).
             if ip in (svc.spec.cluster_ips or [svc.spec.cluster_ip]):
                 return svc.metadata.namespace, svc.metadata.name
         return None

@@ -4,7 +4,7 @@ It holds each request, asks for a replica (``wake``), waits until one is Ready
 (``endpoints``) and then forwards the held requests to it in arrival order, streaming the
 answers back. One activator serves every service; the Host header says which one a request
 is for. The Kubernetes side (``resolve``, ``wake``, ``endpoints``) is passed in as plain
-callables, sync or async: `activator_kube.py` has the real ones, tests their own.
+callables, sync or async: kube.py has the real ones, tests their own.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from batchpilot.operator.crd import AutoscalingSpec
+from batchpilot.operator.crd.autoscaling import AutoscalingSpec
 from batchpilot.operator.loop.observe import Window
 
 TOLERANCE = 0.1  # HPA's default: a ratio within 10% of 1 is no reason to move
@@ -80,6 +80,16 @@ class ScaleDecision:
     reason: str
     recommendation: int  # the raw law's value this time, before stabilization
     history: ScaleHistory = ScaleHistory()  # to store, for the next decision
+
+
+@dataclass(frozen=True)
+class ScaleDownHold:
+    """A scale-down held at ``replicas`` because some Ready replicas did not answer their
+    scrape (``unscraped``): the others alone recommended ``recommendation``."""
+
+    replicas: int
+    recommendation: int
+    unscraped: tuple[str, ...]
 
 
 def _slots_per_replica(window: Window) -> float | None:

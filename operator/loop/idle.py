@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchpilot.operator.crd import AutoscalingSpec
+from batchpilot.operator.crd.autoscaling import AutoscalingSpec
 from batchpilot.operator.loop.observe import Window
 
 WAKE_ANNOTATION = "batchpilot.dev/wake-requested-at"

@@ -1,5 +1,6 @@
-"""The experiment rule: every engine change is judged on the objective, goodput within the
-latency targets, by comparing the window after it with a baseline; kept only if it helped.
+"""The keep-or-revert judge of a trial change: every engine change is judged on the
+objective, goodput within the latency targets, by comparing the window after it with a
+baseline; kept only if it helped.
 
 Goodput is estimated from the servers' vLLM histograms, so it works against any
 vLLM-compatible server: generation tokens/s x the share of inter-token gaps within the ITL

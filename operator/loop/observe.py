@@ -1,37 +1,29 @@
-"""What the closed loop sees: each replica's /metrics, scraped, parsed and windowed.
-
-Two metrics sources share one interface (``MetricsSource``): ``PodMetricsSource`` scrapes
-every Ready pod of an InferenceService on its pod IP, ``UrlMetricsSource`` a fixed list of
-base URLs (tests, benchmarks, servers outside the cluster). Both return one ``Scrape`` per
-replica, with where that replica's admin API listens (its own port, apart from /metrics); a replica that does not answer, or answers something that is not the server's
-metrics, is skipped and counted, never raised.
+"""What the closed loop sees: each replica's /metrics text, parsed and windowed.
 
 ``Observer`` keeps, per service and per replica, the parsed samples of the last
 ``window_seconds`` and turns them into a ``Window``: gauges averaged over the window,
 counter rates (resets handled as Prometheus' ``increase`` does) and latency P99s from
-histogram bucket deltas. Parsing goes through ``prometheus_client.parser`` only.
+histogram bucket deltas. Parsing goes through ``prometheus_client.parser`` only. A replica
+whose scrape failed (scrape.py), or whose answer is not the server's metrics, is skipped
+and counted, never raised.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchpilot import names
-from batchpilot.operator import resources
 
-# An overloaded replica answers /metrics slowly (a benchmark saw 15 s): a short timeout
-# would read a busy replica as a missing one.
-SCRAPE_TIMEOUT_SECONDS = 10.0
+if TYPE_CHECKING:
+    from batchpilot.operator.loop.scrape import Scrape
+
 DEFAULT_WINDOW_SECONDS = 60.0
 
 GAUGES = (
@@ -46,131 +38,6 @@ COUNTERS = (names.NUM_PREEMPTIONS, names.SWAPS_OUT, names.GENERATION_TOKENS)
 HISTOGRAMS = (names.TIME_TO_FIRST_TOKEN, names.INTER_TOKEN_LATENCY)
 
 Buckets = tuple[tuple[float, float], ...]  # ((upper bound "le", cumulative count), ...)
-
-
-# --------------------------------------------------------------------------- sources
-
-
-@dataclass(frozen=True)
-class Scrape:
-    """One replica's answer: its base URL, the base URL of its admin API (None: unknown, so
-    the loop cannot tune it) and either the /metrics text or why there is none."""
-
-    url: str
-    text: str | None = None
-    error: str | None = None
-    admin_url: str | None = None
-
-
-@dataclass(frozen=True)
-class Replica:
-    """A Ready replica: its name (the pod's; the URL for a fixed list), its base URL and
-    its admin API's base URL."""
-
-    name: str
-    url: str
-    admin_url: str
-
-
-class MetricsSource(Protocol):
-    async def scrape(self, namespace: str, name: str) -> list[Scrape]: ...
-
-
-class ReplicaSource(MetricsSource, Protocol):
-    async def replicas(self, namespace: str, name: str) -> list[Replica]: ...
-
-
-async def scrape_urls(
-    urls: Mapping[str, str], timeout: float = SCRAPE_TIMEOUT_SECONDS
-) -> list[Scrape]:
-    """GET <url>/metrics for every base URL (-> its admin URL) at once; errors become
-    Scrape.error."""
-    client_timeout = aiohttp.ClientTimeout(total=timeout)
-    async with aiohttp.ClientSession(timeout=client_timeout) as session:
-        return list(await asyncio.gather(*(_scrape_one(session, u, a) for u, a in urls.items())))
-
-
-async def _scrape_one(session: aiohttp.ClientSession, url: str, admin_url: str) -> Scrape:
-    try:
-        async with session.get(url.rstrip("/") + "/metrics") as resp:
-            if resp.status != 200:
-                return Scrape(url, error=f"HTTP {resp.status}", admin_url=admin_url)
-            return Scrape(url, text=await resp.text(), admin_url=admin_url)
-    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as e:
-        return Scrape(url, error=f"{type(e).__name__}: {e}".rstrip(": "), admin_url=admin_url)
-
-
-def on_port(url: str, port: int) -> str:
-    """The same host on another port: http://h:8000 -> http://h:<port>."""
-    parts = urlsplit(url)
-    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
-    return urlunsplit((parts.scheme, f"{host}:{port}", "", "", ""))
-
-
-class UrlMetricsSource:
-    """A fixed list of replica base URLs (http://host:port), whatever the service, with the
-    admin API's base URL of each (default: the same host on the admin port)."""
-
-    def __init__(
-        self,
-        urls: Sequence[str],
-        admin_urls: Sequence[str] | None = None,
-        timeout: float = SCRAPE_TIMEOUT_SECONDS,
-    ):
-        admin = admin_urls or [on_port(u, names.DEFAULT_ADMIN_PORT) for u in urls]
-        self.urls = dict(zip(urls, admin, strict=True))
-        self.timeout = timeout
-
-    async def scrape(self, namespace: str, name: str) -> list[Scrape]:
-        return await scrape_urls(self.urls, self.timeout)
-
-    async def replicas(self, namespace: str, name: str) -> list[Replica]:
-        return [Replica(u, u, a) for u, a in self.urls.items()]
-
-
-class PodMetricsSource:
-    """In-cluster: every Ready pod of the service, on its pod IP and the server's port.
-
-    ``core`` is a kubernetes ``CoreV1Api``; its synchronous list call runs in a thread so
-    the operator's event loop never blocks on the API server."""
-
-    def __init__(self, core: Any, timeout: float = SCRAPE_TIMEOUT_SECONDS):
-        self.core = core
-        self.timeout = timeout
-
-    async def scrape(self, namespace: str, name: str) -> list[Scrape]:
-        replicas = await self.replicas(namespace, name)
-        return await scrape_urls({r.url: r.admin_url for r in replicas}, self.timeout)
-
-    async def replicas(self, namespace: str, name: str) -> list[Replica]:
-        pods = await asyncio.to_thread(
-            self.core.list_namespaced_pod,
-            namespace,
-            label_selector=resources.selector_string(name),
-        )
-        return [
-            Replica(pod, url, on_port(url, resources.ADMIN_PORT))
-            for pod, url in ready_pods(pods.items, resources.PORT)
-        ]
-
-
-def ready_pods(pods: Iterable[Any], port: int) -> list[tuple[str, str]]:
-    """(name, base URL) of pods that are Ready, have an IP and are not terminating."""
-    out = []
-    for pod in pods:
-        status = pod.status
-        if pod.metadata.deletion_timestamp or not status or not status.pod_ip:
-            continue
-        ready = any(c.type == "Ready" and c.status == "True" for c in status.conditions or [])
-        if ready:
-            host = f"[{status.pod_ip}]" if ":" in status.pod_ip else status.pod_ip
-            out.append((pod.metadata.name, f"http://{host}:{port}"))
-    return sorted(out, key=lambda p: p[1])
-
-
-def ready_pod_urls(pods: Iterable[Any], port: int) -> list[str]:
-    """Base URLs of pods that are Ready, have an IP and are not terminating."""
-    return [url for _, url in ready_pods(pods, port)]
 
 
 # --------------------------------------------------------------------------- parsing

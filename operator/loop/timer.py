@@ -1,4 +1,4 @@
-"""The kopf timer's side of the closed loop (loop.py has the laws' side).
+"""The kopf timer that runs the closed loop's turns (turn.py has the laws' side).
 
 Each round, for one InferenceService with autoscaling or tuning enabled: read what is in
 force from the Deployment, run ``ClosedLoop.run_once`` (scrape, decide, apply
@@ -18,21 +18,24 @@ from typing import TYPE_CHECKING
 from kubernetes import client
 
 from batchpilot import names
-from batchpilot.operator import probes, resources
+from batchpilot.operator import probes
 from batchpilot.operator.adapters import AdapterSync, failures
-from batchpilot.operator.loop.admin_client import AdminClient
+from batchpilot.operator.children.engine_args import read_engine_settings
+from batchpilot.operator.children.meta import Owner
+from batchpilot.operator.children.plan import effective_engine
 from batchpilot.operator.config import OperatorConfig
-from batchpilot.operator.crd import InferenceServiceSpec, SpecError, parse_spec
-from batchpilot.operator.loop.idle import WAKE_ANNOTATION
+from batchpilot.operator.crd.spec import InferenceServiceSpec, SpecError, parse_spec
 from batchpilot.operator.kube import post_event
-from batchpilot.operator.loop.turn import ClosedLoop, LoopOutcome
-from batchpilot.operator.loop.observe import PodMetricsSource, ReplicaSource, UrlMetricsSource
+from batchpilot.operator.loop.admin_client import AdminClient
+from batchpilot.operator.loop.idle import WAKE_ANNOTATION
+from batchpilot.operator.loop.scrape import PodMetricsSource, ReplicaSource, UrlMetricsSource
 from batchpilot.operator.loop.state import LoopState
-from batchpilot.operator.resources import Owner
-from batchpilot.operator.loop.tuner_state import EngineSettings, parse_timestamp
+from batchpilot.operator.loop.timestamps import maybe_timestamp
+from batchpilot.operator.loop.tuner_state import EngineSettings
+from batchpilot.operator.loop.turn import ClosedLoop, LoopOutcome
 
 if TYPE_CHECKING:
-    from batchpilot.operator.handlers import Reconciler
+    from batchpilot.operator.reconcile import Reconciler
 
 log = logging.getLogger("batchpilot.operator.loop")
 # Events that say the loop could not do its job (the others report what it decided).
@@ -63,8 +66,8 @@ def loop_spec(spec: InferenceServiceSpec) -> InferenceServiceSpec:
 def settings_in_force(deployment: dict, spec: InferenceServiceSpec, status: dict) -> EngineSettings:
     """What the Deployment records; what the reconcile will apply where it records none.
     The step budget is live only: the template carries the budget profiled at start-up."""
-    recorded = resources.read_engine_settings(deployment)
-    planned = resources.effective_engine(spec, LoopState.from_status(status))
+    recorded = read_engine_settings(deployment)
+    planned = effective_engine(spec, LoopState.from_status(status))
     tuned_budget = spec.tuning.max_num_batched_tokens is not None
     loras = names.MAX_LORAS.crd_field
     tuned_loras = spec.tuning.max_loras is not None
@@ -78,11 +81,9 @@ def settings_in_force(deployment: dict, spec: InferenceServiceSpec, status: dict
 
 def wake_requested_at(body: dict) -> float | None:
     """The activator's latest wake request on the object, if any (a bad value is none)."""
-    value = ((body.get("metadata") or {}).get("annotations") or {}).get(WAKE_ANNOTATION)
-    try:
-        return parse_timestamp(value) if isinstance(value, str) else None
-    except ValueError:
-        return None
+    return maybe_timestamp(
+        ((body.get("metadata") or {}).get("annotations") or {}).get(WAKE_ANNOTATION)
+    )
 
 
 def count(namespace: str, name: str, outcome: LoopOutcome, replicas: int) -> None:

@@ -1,22 +1,17 @@
-"""The tuner's memory, in one place: the settings it keeps in force, the experiment it is
-running, its verdicts on settings it tried, and a bounded history of its decisions.
-
-All of it lives in ``status.tuning`` (the operator is stateless across restarts). This
-module is the only reader and writer of that key: ``TunerState.from_status`` parses it
-(forgiving: a hand-edited entry is dropped, never a crash) and ``to_status`` writes it.
-``resources.LoopState`` reads the settings in force through ``settings_from_status``.
+"""The parts of the tuner's memory: the engine settings it tunes, the scores it compares,
+the experiment on trial, its verdicts and its decisions, each with its shape inside
+``status.tuning`` (``to_status``, and a strict ``from_status`` that raises on anything it
+cannot read). ``state.TunerState`` holds them together and is the one reader and writer of
+``status.tuning``: it drops, never raises on, an entry someone edited by hand.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from dataclasses import dataclass, field
 from typing import Literal
 
 from batchpilot import names
-
-HISTORY_LENGTH = 20  # decisions kept in status.tuning.history
-VERDICTS_KEPT = 32  # verdicts remembered (the oldest ones are forgotten first)
+from batchpilot.operator.loop.timestamps import parse_timestamp, timestamp
 
 # What a change does. raise/lower: max_num_seqs; raise_budget/lower_budget: the step's
 # token budget (max_num_batched_tokens); fp8/fp8_off: the KV-cache dtype; raise_loras: the
@@ -30,14 +25,6 @@ MNS = names.MAX_NUM_SEQS.crd_field
 KV = names.KV_CACHE_DTYPE.crd_field
 MNBT = names.MAX_NUM_BATCHED_TOKENS.crd_field
 MAX_LORAS = names.MAX_LORAS.crd_field
-
-
-def timestamp(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def parse_timestamp(s: str) -> float:
-    return datetime.fromisoformat(s).timestamp()
 
 
 def is_fp8(dtype: str) -> bool:
@@ -288,90 +275,6 @@ class TuneDecision:
         )
 
 
-def _parsed(items: object, parse) -> list:
-    out = []
-    for d in items if isinstance(items, list) else []:
-        try:
-            out.append(parse(d))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            continue  # an entry someone edited by hand: ignore it, never crash the loop
-    return out
-
-
-@dataclass(frozen=True)
-class TunerState:
-    settings: EngineSettings | None = None  # None: nothing decided yet (spec.engine rules)
-    experiment: Experiment | None = None
-    verdicts: tuple[Verdict, ...] = ()
-    history: tuple[TuneDecision, ...] = ()
-
-    @property
-    def last_change(self) -> float | None:
-        return max((d.time for d in self.history), default=None)
-
-    def blocked(
-        self, settings: EngineSettings, now: float, load: float | None = None
-    ) -> Verdict | None:
-        """The verdict that forbids trying ``settings`` now (at ``load``), if any."""
-        return next(
-            (v for v in self.verdicts if v.settings == settings.key and v.blocks(now, load)),
-            None,
-        )
-
-    def judged(
-        self,
-        settings: EngineSettings,
-        kept: bool,
-        now: float,
-        base: float,
-        cap: float,
-        load: float | None = None,
-    ) -> TunerState:
-        """Remember a verdict on ``settings``: kept clears its strikes, rejected backs off."""
-        old = next((v for v in self.verdicts if v.settings == settings.key), None)
-        strikes = 0 if kept else (old.strikes if old else 0) + 1
-        wait = 0.0 if kept else min(cap, base * 2 ** (strikes - 1))
-        verdict = Verdict(settings.key, kept, now, strikes, now + wait, load)
-        others = tuple(v for v in self.verdicts if v.settings != settings.key)
-        return replace(self, verdicts=(*others, verdict)[-VERDICTS_KEPT:])
-
-    def decided(self, d: TuneDecision, experiment: Experiment | None) -> TunerState:
-        # The history keeps what was decided and measured; the inputs are the latest's only.
-        history = (*self.history, replace(d, inputs={})) if d.changes else self.history
-        return replace(
-            self, settings=d.settings, experiment=experiment, history=history[-HISTORY_LENGTH:]
-        )
-
-    @classmethod
-    def from_status(cls, status: dict | None) -> TunerState:
-        tuning = (status or {}).get("tuning") or {}
-        try:
-            settings = EngineSettings.from_status(tuning)
-        except (KeyError, TypeError, ValueError):
-            settings = None
-        experiments = _parsed([tuning.get("experiment")], Experiment.from_status)
-        return cls(
-            settings=settings,
-            experiment=experiments[0] if experiments else None,
-            verdicts=tuple(_parsed(tuning.get("verdicts"), Verdict.from_status)),
-            history=tuple(_parsed(tuning.get("history"), TuneDecision.from_status)),
-        )
-
-    def to_status(self, latest: TuneDecision, now: float) -> dict:
-        """status.tuning: merge-patched, so None removes an experiment that is over."""
-        assert self.settings is not None
-        return {
-            **self.settings.to_status(),
-            "lastDecision": latest.action,
-            "reason": latest.reason,
-            "inputs": latest.inputs,
-            "time": timestamp(now),
-            "experiment": self.experiment.to_status() if self.experiment else None,
-            "verdicts": [v.to_status() for v in self.verdicts],
-            "history": [d.to_status() for d in self.history],
-        }
-
-
 SAME_LOAD = 0.25  # loads within this share of each other count as the same
 
 
@@ -379,9 +282,3 @@ def same_load(judged_at: float | None, now: float | None) -> bool:
     if judged_at is None or now is None:
         return False
     return abs(now - judged_at) <= SAME_LOAD * max(judged_at, now, 1.0)
-
-
-def settings_from_status(status: dict | None) -> EngineSettings | None:
-    """The settings the tuner keeps in force on every replica, None before its first
-    decision (what new pods start with: resources.LoopState reads it)."""
-    return TunerState.from_status(status).settings

@@ -19,13 +19,14 @@ One arbiter decides tuning and scaling together, in that order:
   Ready replicas answered their scrape. ``status.metrics.loopBlind`` says why (the
   reconcile turns it into the LoopBlind condition) and a LoopBlind Event is posted.
 
-Contract with the kopf side (loop_timer.py): it passes the parsed spec, the current
-``status``, the Deployment's replica count, the engine settings in force and the admin
-token and the latest wake request (idle.WAKE_ANNOTATION); it merges ``status_patch`` into status (keys ``metrics``, ``autoscaling``,
-``tuning``) and posts ``events``. This loop puts live settings (max_num_seqs,
-max_num_batched_tokens) in force on every replica itself, through /admin/config: the
-canary's on the canary, the kept ones on the others, and repairs any replica found running
-other values. A KV dtype change reaches pods through the Deployment (a rollout).
+Contract with the kopf side (timer.py): it passes the parsed spec, the current
+``status``, the Deployment's replica count, the engine settings in force, the admin token
+and the latest wake request (idle.WAKE_ANNOTATION); it merges ``status_patch`` into status
+(keys ``metrics``, ``autoscaling``, ``tuning``: state.py reads and writes the last two) and
+posts ``events``. This loop puts live settings (max_num_seqs, max_num_batched_tokens) in
+force on every replica itself, through /admin/config: the canary's on the canary, the kept
+ones on the others, and repairs any replica found running other values. A KV dtype change
+reaches pods through the Deployment (a rollout).
 """
 
 from __future__ import annotations
@@ -35,24 +36,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from batchpilot.operator.crd.spec import InferenceServiceSpec
 from batchpilot.operator.loop.admin_client import AdminClient
 from batchpilot.operator.loop.autoscale import (
     Recommendation,
     ScaleDecision,
-    ScaleHistory,
+    ScaleDownHold,
     decide_replicas,
 )
-from batchpilot.operator.crd import InferenceServiceSpec
-from batchpilot.operator.loop.idle import IdleState, decide_idle
-from batchpilot.operator.loop.observe import MetricsSource, Observer, RoundResult, Window
-from batchpilot.operator.loop.tune import TuneLimits, View, decide_tuning
-from batchpilot.operator.loop.tuner_state import (
-    EngineSettings,
-    TuneDecision,
-    TunerState,
-    parse_timestamp,
-    timestamp,
-)
+from batchpilot.operator.loop.idle import decide_idle
+from batchpilot.operator.loop.observe import Observer, RoundResult, Window
+from batchpilot.operator.loop.scrape import MetricsSource
+from batchpilot.operator.loop.state import AutoscalingStatus, LoopStatus, TunerState
+from batchpilot.operator.loop.timestamps import timestamp
+from batchpilot.operator.loop.tune import View, decide_tuning
+from batchpilot.operator.loop.tune_rules import TuneLimits
+from batchpilot.operator.loop.tuner_state import EngineSettings, TuneDecision
 
 MIN_SCRAPED_SHARE = 0.5  # below this share of Ready replicas answering, the loop is blind
 ENGINE_CHANGE_FREEZE_SECONDS = 300.0  # no scale-down this long after an engine change
@@ -82,56 +81,12 @@ class LoopOutcome:
     blind: str | None = None  # why the loop decided nothing, when it could not see
 
 
-# --------------------------------------------------------------------------- status I/O
-
-
-def scale_history(status: dict) -> ScaleHistory:
-    autoscaling = status.get("autoscaling") or {}
-    recommendations = []
-    for d in autoscaling.get("recommendations") or []:
-        try:
-            recommendations.append(Recommendation(int(d["replicas"]), parse_timestamp(d["time"])))
-        except (KeyError, TypeError, ValueError):
-            continue
-    capacities = autoscaling.get("capacityTokensPerSecond")
-    return ScaleHistory(
-        tuple(recommendations),
-        tuple(
-            (k, float(v))
-            for k, v in (capacities.items() if isinstance(capacities, dict) else ())
-            if isinstance(v, int | float)
-        ),
-        _maybe_time(autoscaling.get("lastScaleUpTime")),
-    )
-
-
-def _maybe_time(value: object) -> float | None:
-    try:
-        return parse_timestamp(value) if isinstance(value, str) else None
-    except ValueError:
-        return None
-
-
-def autoscaling_status(d: ScaleDecision, now: float) -> dict:
-    out = {
-        "desiredReplicas": d.replicas,
-        "recommendation": d.recommendation,
-        "reason": d.reason,
-        "time": timestamp(now),
-        "recommendations": [
-            {"replicas": r.replicas, "time": timestamp(r.time)} for r in d.history.recommendations
-        ],
-        # Per engine settings (EngineSettings.key): what one replica sustained under them.
-        "capacityTokensPerSecond": {k: round(v, 1) for k, v in d.history.capacities},
-    }
-    if d.history.last_scale_up is not None:
-        out["lastScaleUpTime"] = timestamp(d.history.last_scale_up)
-    return out
+# --------------------------------------------------------------------------- the arbiter
 
 
 def hold_scale_down(
     decision: ScaleDecision, replicas: int, failures: dict[str, str], now: float
-) -> tuple[ScaleDecision, dict]:
+) -> tuple[ScaleDecision, ScaleDownHold]:
     """Keep ``replicas`` while a Ready replica's scrape fails and the replicas that answered
     ask for fewer.
 
@@ -150,7 +105,7 @@ def hold_scale_down(
         f"scrape ({'; '.join(f'{u}: {failures[u]}' for u in urls)}); the others alone "
         f"recommend {decision.recommendation}: {decision.reason}"
     )
-    held = {"replicas": replicas, "recommendation": decision.recommendation, "unscraped": urls}
+    held = ScaleDownHold(replicas, decision.recommendation, tuple(urls))
     kept = {r.replicas: r.time for r in decision.history.recommendations if r.replicas >= replicas}
     kept[replicas] = now
     history = replace(
@@ -158,28 +113,6 @@ def hold_scale_down(
         recommendations=tuple(Recommendation(n, t) for n, t in sorted(kept.items())),
     )
     return replace(decision, replicas=replicas, reason=reason, history=history), held
-
-
-# --------------------------------------------------------------------------- the arbiter
-
-
-def idle_state(status: dict) -> IdleState:
-    autoscaling = status.get("autoscaling") or {}
-    seen = autoscaling.get("generationTokensSeen")
-    return IdleState(
-        _maybe_time(autoscaling.get("lastActiveTime")),
-        _maybe_time(autoscaling.get("scaledToZeroTime")),
-        float(seen) if isinstance(seen, int | float) else None,
-    )
-
-
-def idle_status(state: IdleState) -> dict:
-    """Merge-patched: None removes scaledToZeroTime once the service is back."""
-    return {
-        "lastActiveTime": timestamp(state.last_active) if state.last_active else None,
-        "scaledToZeroTime": timestamp(state.zero_since) if state.zero_since else None,
-        "generationTokensSeen": state.tokens_seen,
-    }
 
 
 def scale_event(before: int, after: int) -> str:
@@ -293,19 +226,24 @@ class ClosedLoop:
             blind=blindness(len(scrapes), scrape_round),
         )
         self._observed(outcome, window, status, now)
-        tuner = TunerState.from_status(status)
+        last = LoopStatus.from_status(status)
+        tuner = last.tuner
         if spec.tuning.enabled:
-            last_reason = str((status.get("tuning") or {}).get("reason", ""))
-            tuner = self._tune(outcome, key, spec, tuner, settings, now, last_reason)
+            tuner = self._tune(outcome, key, spec, tuner, settings, now, last.tuning_reason)
         if spec.autoscaling.enabled:
-            self._autoscale(outcome, window, spec, status, replicas, now, tuner, wake_at)
-        if spec.tuning.enabled and outcome.blind is None:
-            answered = {
-                s.url: s.admin_url
-                for s in scrapes
-                if s.url not in scrape_round.failures and s.admin_url
-            }
-            await self._apply(outcome, key, tuner, admin_token, answered)
+            self._autoscale(outcome, window, spec, last.autoscaling, replicas, now, tuner, wake_at)
+        if spec.tuning.enabled:
+            not_applied = None  # blind: nothing was applied, the last word on it stays
+            if outcome.blind is None:
+                answered = {
+                    s.url: s.admin_url
+                    for s in scrapes
+                    if s.url not in scrape_round.failures and s.admin_url
+                }
+                await self._apply(outcome, key, tuner, admin_token, answered)
+                not_applied = outcome.apply_failures
+            assert outcome.tuning is not None
+            outcome.status_patch["tuning"] = tuner.to_status(outcome.tuning, now, not_applied)
         return outcome
 
     def _observed(self, outcome: LoopOutcome, window: Window | None, status: dict, now: float):
@@ -351,7 +289,6 @@ class ClosedLoop:
         outcome.tuning = decision
         if event := tuning_event(decision, last_reason):
             outcome.events.append(event)
-        outcome.status_patch["tuning"] = tuner.to_status(decision, now)
         return tuner
 
     def _autoscale(
@@ -359,7 +296,7 @@ class ClosedLoop:
         outcome: LoopOutcome,
         window: Window | None,
         spec: InferenceServiceSpec,
-        status: dict,
+        last: AutoscalingStatus,
         replicas: int,
         now: float,
         tuner: TunerState,
@@ -371,16 +308,16 @@ class ClosedLoop:
         a = spec.autoscaling
         # Every replica of the Deployment answered: none failed, none is still starting.
         all_scraped = not outcome.scrape_failures and outcome.scraped >= replicas
-        idle = decide_idle(a, replicas, window, all_scraped, idle_state(status), wake_at, now)
+        idle = decide_idle(a, replicas, window, all_scraped, last.idle, wake_at, now)
         held = None
         if replicas == 0 and a.min_replicas == 0:
             # At zero the idle law alone decides: the queue law has no replica to read, and
             # samples left from the last one would read as demand.
             zero = 0 if idle.replicas is None else idle.replicas
-            decision = ScaleDecision(zero, idle.reason, zero, scale_history(status))
+            decision = ScaleDecision(zero, idle.reason, zero, last.history)
         else:
             settings = tuner.settings.key if tuner.settings else ""
-            decision = decide_replicas(window, a, replicas, now, scale_history(status), settings)
+            decision = decide_replicas(window, a, replicas, now, last.history, settings)
             if idle.replicas == 0:
                 decision = replace(decision, replicas=0, reason=idle.reason)
             if decision.recommendation < replicas and outcome.scrape_failures:
@@ -391,10 +328,9 @@ class ClosedLoop:
         state = idle.state
         if decision.replicas > 0 and state.zero_since is not None:
             state = replace(state, zero_since=None)  # the zero was held (a trial, a freeze)
-        outcome.status_patch["autoscaling"] = autoscaling_status(decision, now) | idle_status(state)
-        # The status is merge-patched: None removes a hold that is over.
-        outcome.status_patch["autoscaling"]["scaleDownHeld"] = held
-        if held is not None and not (status.get("autoscaling") or {}).get("scaleDownHeld"):
+        written = AutoscalingStatus.decided(decision, state, held, now)
+        outcome.status_patch["autoscaling"] = written.to_status()
+        if held is not None and last.held is None:
             outcome.events.append(("ScaleDownHeld", decision.reason))
         if decision.replicas != replicas:
             outcome.events.append(
@@ -440,9 +376,6 @@ class ClosedLoop:
             if (why := answer.get(urls[u]))
         }
         outcome.apply_failures = failures
-        outcome.status_patch["tuning"]["notApplied"] = [
-            {"replica": u, "reason": why} for u, why in sorted(failures.items())
-        ]
         if failures:
             outcome.events.append(
                 (

@@ -1,0 +1,437 @@
+"""The reconcile: one idempotent function, ``Reconciler.reconcile``, does all the work for
+an InferenceService: validate the spec, build the children (children/), check that every
+existing object of their names is its own (ownership.py), create or server-side apply them
+under one field manager, and write the status (status.py). The kopf handlers (handlers.py)
+run it on create, update and resume, on a timer every ``reconcile_interval`` (drift
+correction), and when a child is deleted or edited by hand (watch events). A Deployment's
+status changes refresh the owner's status only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+from collections.abc import Mapping
+
+from batchpilot.operator import drift, ownership, status
+from batchpilot.operator.children.autoscaler import autoscaler_kind
+from batchpilot.operator.children.build import build_children, stale_kinds
+from batchpilot.operator.children.meta import Owner
+from batchpilot.operator.children.plan import adapter_claims, desired_replicas, plan_model
+from batchpilot.operator.children.pod import (
+    LABEL_SA_ALLOWED,
+    service_account_allowed,
+    spec_problems,
+)
+from batchpilot.operator.children.pool import INFERENCE_POOL_KIND
+from batchpilot.operator.children.secret import admin_token
+from batchpilot.operator.children.service import (
+    ENDPOINT_SLICE_KIND,
+    SLICE_SERVICE_NAME,
+    Activator,
+    activator_of,
+    may_route_to_activator,
+    routes_to_activator,
+    service_url,
+)
+from batchpilot.operator.config import FIELD_MANAGER, OperatorConfig
+from batchpilot.operator.crd.api import GROUP, KIND
+from batchpilot.operator.crd.spec import InferenceServiceSpec, SpecError, check_name, parse_spec
+from batchpilot.operator.kube import ApiException, Kube, new_api_client, post_event
+from batchpilot.operator.loop.state import LoopState
+from batchpilot.operator.status import Problem
+
+log = logging.getLogger("batchpilot.operator")
+
+# Apply errors that retrying the same spec will not fix: they become Degraded, not retries.
+# 422: the API server rejected a child built from the spec; 400/403: a malformed request or
+# missing RBAC. Anything else (409 on a concurrent change, 5xx, timeouts) is retried by kopf.
+_PERMANENT_APPLY_STATUSES = {
+    422: status.INVALID_SPEC,
+    400: status.APPLY_FAILED,
+    403: status.APPLY_FAILED,
+}
+
+
+def _controller_owner(body: Mapping) -> tuple[str, str] | None:
+    """(namespace, name) of the InferenceService controlling this child, if any."""
+    for ref in body.get("metadata", {}).get("ownerReferences") or []:
+        ours = ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP + "/")
+        if ours and ref.get("controller"):
+            return body["metadata"]["namespace"], ref["name"]
+    return None
+
+
+def _api_message(e: ApiException) -> str:
+    try:
+        return json.loads(e.body or "{}").get("message") or str(e.reason)
+    except (ValueError, AttributeError):
+        return f"{e.status} {e.reason}"
+
+
+class Reconciler:
+    def __init__(self, config: OperatorConfig, kube: Kube | None = None):
+        self.config = config
+        self._kube = kube
+        if config.admin_key is None:
+            log.warning(
+                "no admin key (BATCHPILOT_ADMIN_KEY): a random one for this process, so the "
+                "admin tokens change, and the pods roll, at every operator restart"
+            )
+        key = config.admin_key.get_secret_value() if config.admin_key else None
+        self._admin_key = key.encode() if key else secrets.token_bytes(32)
+        self._locks: dict[tuple[str, str], threading.RLock] = {}
+        self._locks_guard = threading.Lock()
+        # What the last apply wrote, per (namespace, kind, name) of each child: a watch event
+        # that does not match it means someone else changed the child. For Deployments the
+        # generation is compared (the server normalizes pod templates).
+        self._desired: dict[tuple[str, str, str], dict] = {}
+        self._applied_generation: dict[tuple[str, str], int] = {}
+        # Services that may go to zero, and whether their Service routes to the activator
+        # now: a Deployment event that crosses "no replica Ready" switches it.
+        self._to_activator: dict[tuple[str, str], bool] = {}
+
+    @property
+    def kube(self) -> Kube:
+        if self._kube is None:
+            self._kube = Kube(new_api_client(), FIELD_MANAGER)
+        return self._kube
+
+    def _lock(self, namespace: str, name: str) -> threading.RLock:
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, name), threading.RLock())
+
+    # ------------------------------------------------------------------ the reconcile
+
+    def reconcile(self, body: dict, logger: logging.Logger | logging.LoggerAdapter = log) -> None:
+        meta = body["metadata"]
+        self.reconcile_by_name(meta["namespace"], meta["name"], logger)
+
+    def reconcile_by_name(self, namespace: str, name: str, logger=log) -> None:
+        """Reconcile the object as it is now. Calls for one object are serialized, and each
+        reads the object afresh inside the lock: the status it starts from is the one the
+        previous call wrote, whatever the trigger's copy said."""
+        with self._lock(namespace, name):
+            body = self.kube.read_isvc(namespace, name)
+            if body is None:
+                self._forget(namespace, name)
+                return
+            if body["metadata"].get("deletionTimestamp"):
+                return  # owner references and the garbage collector remove the children
+            self._reconcile(body, logger)
+
+    def _forget(self, namespace: str, name: str) -> None:
+        """Drop what is remembered about a deleted InferenceService's children."""
+        self._applied_generation.pop((namespace, name), None)
+        self._to_activator.pop((namespace, name), None)
+        for key in [k for k in self._desired if k[0] == namespace]:
+            if _controller_owner(self._desired[key]) == (namespace, name):
+                del self._desired[key]
+
+    def _reconcile(self, body: dict, logger) -> None:
+        meta = body["metadata"]
+        ns, name, generation = meta["namespace"], meta["name"], meta.get("generation", 1)
+        prev = body.get("status") or {}
+        url = deployment = None
+        spec, problem = self._check(body, ns)
+        if spec is not None and problem is None:
+            deployment, problem = self._build(Owner.from_body(body), spec, prev, logger)
+            url = service_url(name, ns, self.config.cluster_domain)
+        if problem is not None:
+            deployment = self.owned_deployment(Owner.from_body(body))
+            url = prev.get("url") if deployment is not None else None
+        new = status.compute_status(
+            name=name,
+            generation=generation,
+            prev=prev,
+            deployment=deployment,
+            problem=problem,
+            url=url,
+            to_activator=self._to_activator.get((ns, name), False),
+        )
+        self._write_status(body, prev, new, problem, logger)
+
+    def _build(
+        self, owner: Owner, spec: InferenceServiceSpec, prev: dict, logger
+    ) -> tuple[dict | None, Problem | None]:
+        """Write every child; (the live Deployment, None), or (None, the problem) when an
+        object of a child's name is someone else's or the API server refuses them for good."""
+        activator = self._activator_route(owner, spec, prev)
+        children = build_children(
+            owner,
+            spec,
+            image=spec.image or self.config.server_image,
+            admin_token=self.admin_token(owner),
+            loops=LoopState.from_status(prev),
+            activator=activator,
+        )
+        (secret,) = [c for c in children if c["kind"] == "Secret"]
+        others = [c for c in children if c["kind"] != "Secret"]
+        try:
+            found = {c["kind"]: self._read(c) for c in others}
+            conflicts = [
+                why
+                for c in others
+                if (why := ownership.conflict(c["kind"], found[c["kind"]], owner))
+            ]
+            if conflicts:
+                return None, Problem(status.NAME_CONFLICT, ownership.conflicts_message(conflicts))
+            # A dry run of the Deployment first: the API server validates the pass-through
+            # fields (affinity, volumes, env) before any child exists, so a bad spec never
+            # leaves half-built children.
+            (deployment,) = [c for c in others if c["kind"] == "Deployment"]
+            self._write(deployment, found["Deployment"], owner, logger, dry_run=True)
+            self._create_secret(secret)
+            written = {c["kind"]: self._write(c, found[c["kind"]], owner, logger) for c in others}
+            self._delete_stale(owner, spec, to_activator=activator is not None)
+        except ApiException as e:
+            if e.status not in _PERMANENT_APPLY_STATUSES:
+                raise  # transient: kopf retries with backoff
+            reason = _PERMANENT_APPLY_STATUSES[e.status]
+            return None, Problem(reason, f"the API server rejected a child: {_api_message(e)}")
+        for child in children:
+            self._desired[(owner.namespace, child["kind"], child["metadata"]["name"])] = child
+        if may_route_to_activator(spec) and self.config.activator_service:
+            self._to_activator[(owner.namespace, owner.name)] = activator is not None
+        else:
+            self._to_activator.pop((owner.namespace, owner.name), None)
+        live = written["Deployment"]
+        self._applied_generation[(owner.namespace, owner.name)] = live["metadata"]["generation"]
+        return live, None
+
+    def _activator_route(
+        self, owner: Owner, spec: InferenceServiceSpec, prev: dict
+    ) -> Activator | None:
+        """The activator, when the Service is to route there now; else None."""
+        if not (self.config.activator_service and may_route_to_activator(spec)):
+            return None
+        dep = self.kube.read("apps/v1", "Deployment", owner.namespace, owner.name)
+        ready = ((dep or {}).get("status") or {}).get("readyReplicas") or 0
+        desired = desired_replicas(spec, LoopState.from_status(prev))
+        ns, name = self.config.activator_service.split("/")
+        slices = self.kube.list(*ENDPOINT_SLICE_KIND, ns, f"{SLICE_SERVICE_NAME}={name}")
+        activator = activator_of(slices)
+        return activator if routes_to_activator(spec, desired, ready, activator) else None
+
+    def _apply_pinned(self, child: dict, found: dict, dry_run: bool) -> dict:
+        pinned = {**child, "metadata": {**child["metadata"], **ownership.pin(found)}}
+        return self.kube.apply(pinned, dry_run=dry_run)
+
+    def _read(self, child: dict) -> dict | None:
+        meta = child["metadata"]
+        return self.kube.read(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
+
+    def _create_secret(self, secret: dict) -> None:
+        """Create the token's Secret where it is missing. The operator may not read Secrets:
+        one already there is taken to be this one, as no one else can know its name
+        (children/secret.py's secret_name), and is never changed (its content is fixed by
+        its name)."""
+        try:
+            self.kube.create(secret)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+
+    def _delete_stale(self, owner: Owner, spec: InferenceServiceSpec, *, to_activator: bool):
+        """Delete the optional children not asked for now: only this object's own, exactly
+        as found (an object of that name made by someone else stays)."""
+        for api_version, kind in stale_kinds(spec, to_activator=to_activator):
+            if not self.kube.serves(api_version, kind):
+                continue
+            live = self.kube.read(api_version, kind, owner.namespace, owner.name)
+            if live is not None and ownership.controlled_by(live, owner):
+                preconditions = ownership.delete_preconditions(live)
+                self.kube.delete(api_version, kind, owner.namespace, owner.name, preconditions)
+
+    def _write(
+        self, child: dict, found: dict | None, owner: Owner, logger, *, dry_run: bool = False
+    ) -> dict:
+        """Create a child that was not there, or apply over the one checked to be ours."""
+        if found is None:
+            return self.kube.create(child, dry_run=dry_run)
+        try:
+            live = self._apply_pinned(child, found, dry_run)
+        except ApiException as e:
+            # Changed since it was checked: most often a status update by its controller.
+            # Check again and apply once more; replaced or gone, the next round decides.
+            found = self._read(child) if e.status == 409 else None
+            if found is None or not ownership.controlled_by(found, owner):
+                raise
+            live = self._apply_pinned(child, found, dry_run)
+        if dry_run:
+            return live
+        others = drift.foreign_managers(live, self.kube.field_manager)
+        if others:
+            # Server-side apply forced our fields back but kept what others added: replace
+            # the declared parts wholesale (a 409 on a concurrent change retries via kopf).
+            logger.info(
+                "%s %s: dropping changes by %s",
+                child["kind"],
+                child["metadata"]["name"],
+                ", ".join(sorted(set(others))),
+            )
+            live = self.kube.replace(drift.restored(live, child))
+        return live
+
+    def _check(self, body: dict, ns: str) -> tuple[InferenceServiceSpec | None, Problem | None]:
+        """The parsed spec and its first problem, cheapest checks first: the schema (again,
+        in case the installed CRD is older than this operator), the rules the schema cannot
+        express, then references to other objects."""
+        try:
+            check_name(body["metadata"]["name"])
+            spec = parse_spec(body.get("spec"))
+        except SpecError as e:
+            return None, Problem(status.INVALID_SPEC, str(e))
+        problems = spec_problems(spec)
+        if problems:
+            return spec, Problem(status.INVALID_SPEC, "; ".join(problems))
+        claim = plan_model(spec).pvc
+        if claim and not self.kube.pvc_exists(ns, claim):
+            return spec, Problem(
+                status.MODEL_SOURCE_NOT_FOUND,
+                f"model source {spec.model.source}: PersistentVolumeClaim "
+                f"{claim!r} not found in namespace {ns!r}",
+            )
+        missing = [c for c in adapter_claims(spec) if not self.kube.pvc_exists(ns, c)]
+        if missing:
+            # Mounting a missing claim would leave the new pods Pending: refused up front.
+            return spec, Problem(
+                status.ADAPTER_SOURCE_NOT_FOUND,
+                f"spec.adapters: PersistentVolumeClaim(s) {', '.join(missing)} not found in "
+                f"namespace {ns!r}",
+            )
+        sa = spec.pod.service_account_name
+        account = self.kube.read_service_account(ns, sa) if sa else None
+        if sa and account is None:
+            return spec, Problem(
+                status.SERVICE_ACCOUNT_NOT_FOUND,
+                f"spec.pod.serviceAccountName: ServiceAccount {sa!r} not found in namespace {ns!r}",
+            )
+        if account is not None and not service_account_allowed(account):
+            return spec, Problem(
+                status.SERVICE_ACCOUNT_NOT_ALLOWED,
+                f"spec.pod.serviceAccountName: ServiceAccount {sa!r} is not labelled "
+                f"{LABEL_SA_ALLOWED}=allowed (whoever manages it decides whether "
+                "InferenceServices may run as it)",
+            )
+        kind = autoscaler_kind(spec)
+        if kind and not self.kube.serves(*kind):
+            return spec, Problem(
+                status.AUTOSCALER_NOT_SERVED,
+                f"spec.autoscaling.mode {spec.autoscaling.mode}: the API server serves no "
+                f"{kind[1]} ({kind[0]}); install it or choose another mode",
+            )
+        if spec.routing.inference_pool and not self.kube.serves(*INFERENCE_POOL_KIND):
+            api_version, kind = INFERENCE_POOL_KIND
+            return spec, Problem(
+                status.INFERENCE_POOL_NOT_SERVED,
+                f"spec.routing.inferencePool: the API server serves no {kind} ({api_version}); "
+                "install the Gateway API Inference Extension's CRDs or turn it off",
+            )
+        return spec, None
+
+    def admin_token(self, owner: Owner) -> str:
+        """The service's admin token, derived from the operator's key (never read back)."""
+        return admin_token(self._admin_key, owner)
+
+    def owned_deployment(self, owner: Owner) -> dict | None:
+        """The serving Deployment, if it is this InferenceService's (status and the loop
+        never describe or call someone else's)."""
+        dep = self.kube.read("apps/v1", "Deployment", owner.namespace, owner.name)
+        return dep if dep is not None and ownership.controlled_by(dep, owner) else None
+
+    def _write_status(
+        self, body: dict, prev: dict, new: dict, problem: Problem | None, logger
+    ) -> None:
+        meta = body["metadata"]
+        if any(prev.get(k) != v for k, v in new.items()):
+            self.kube.patch_isvc_status(meta["namespace"], meta["name"], new)
+        was = status.find_condition(prev, status.DEGRADED) or {}
+        now = status.find_condition(new, status.DEGRADED) or {}
+        if now.get("status") == "True" and (
+            was.get("status") != "True" or was.get("message") != now.get("message")
+        ):
+            logger.warning("Degraded (%s): %s", now.get("reason"), now.get("message"))
+            post_event(body, "Warning", now["reason"], now["message"])
+        if problem is None and prev.get("observedGeneration") != new["observedGeneration"]:
+            engine = new.get("engine") or {}
+            message = (
+                f"generation {new['observedGeneration']}: image {new.get('image')}, "
+                + ", ".join(f"{k}={v}" for k, v in sorted(engine.items()))
+            )
+            logger.info("Applied %s", message)
+            post_event(body, "Normal", "Applied", message)
+
+    # ------------------------------------------------------------------ child events
+
+    def on_deployment_event(self, event_type: str | None, dep: dict, logger=log) -> None:
+        owner = _controller_owner(dep)
+        if owner is None:
+            return
+        ns, name = owner
+        if event_type == "DELETED":
+            logger.info("Deployment deleted by someone else: restoring it")
+            self.reconcile_by_name(ns, name, logger)
+            return
+        with self._lock(ns, name):  # after any reconcile in flight has recorded its apply
+            applied = self._applied_generation.get(owner)
+            generation = dep["metadata"].get("generation", 0)
+            if applied is not None and generation < applied:
+                return  # a stale event: the one for our latest apply follows
+            desired = self._desired.get((ns, "Deployment", dep["metadata"]["name"]))
+            if (applied is not None and generation != applied) or (
+                desired is not None and drift.drifted(desired, dep)
+            ):
+                logger.info("Deployment changed by someone else: restoring it")
+                self.reconcile_by_name(ns, name, logger)
+                return
+            routed = self._to_activator.get(owner)
+            none_ready = not (dep.get("status") or {}).get("readyReplicas")
+            if routed is not None and routed != none_ready:
+                # A first replica Ready (or the last one gone): the Service switches between
+                # the replicas and the activator.
+                self.reconcile_by_name(ns, name, logger)
+                return
+            self._refresh_status(ns, name, dep)
+
+    def _refresh_status(self, ns: str, name: str, dep: dict) -> None:
+        """Status from a Deployment event: replicas and conditions only; a spec problem
+        found by the last reconcile of this generation is kept."""
+        body = self.kube.read_isvc(ns, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        if not ownership.controlled_by(dep, Owner.from_body(body)):
+            return  # an earlier object's of that name, being garbage-collected
+        prev = body.get("status") or {}
+        # The generation last reconciled, not the object's: an edit not yet applied must not
+        # read as observed (nor lose its reconcile's "Applied" event).
+        generation = prev.get("observedGeneration")
+        if generation is None:
+            return  # never reconciled: the reconcile writes the first status
+        new = status.compute_status(
+            name=name,
+            generation=generation,
+            prev=prev,
+            deployment=dep,
+            problem=status.kept_problem(prev, generation),
+            url=prev.get("url"),
+            to_activator=self._to_activator.get((ns, name), False),
+        )
+        if any(prev.get(k) != v for k, v in new.items()):
+            self.kube.patch_isvc_status(ns, name, new)
+
+    def on_child_event(self, event_type: str | None, child: dict, logger=log) -> None:
+        owner = _controller_owner(child)
+        if owner is None or event_type not in ("DELETED", "MODIFIED"):
+            return
+        meta = child["metadata"]
+        desired = self._desired.get((meta["namespace"], child["kind"], meta["name"]))
+        if event_type == "DELETED" or desired is None or drift.drifted(desired, child):
+            logger.info(
+                "%s %s by someone else: restoring it",
+                child["kind"],
+                "deleted" if event_type == "DELETED" else "changed",
+            )
+            self.reconcile_by_name(*owner, logger)
