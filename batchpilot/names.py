@@ -45,7 +45,7 @@ SCHEDULING_POLICIES = ("continuous", "static")
 LIVE_KNOBS = (MAX_NUM_SEQS.name, MAX_NUM_BATCHED_TOKENS.name)
 
 ADMIN_TOKEN_ENV = "BATCHPILOT_ADMIN_TOKEN"
-# The CPU engine's thread count (server/cpu_budget.py); the operator sets it on CPU pods
+# The CPU engine's thread count (server/platform/cpu_budget.py); the operator sets it on CPU pods
 # from their CPU limit or request.
 CPU_THREADS_ENV = "BATCHPILOT_CPU_THREADS"
 # The adapters a replica loads at start-up where a bad one only logs (--preload-lora-modules):

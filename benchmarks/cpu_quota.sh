@@ -3,7 +3,7 @@
 #
 #   pinned  docker run --cpuset-cpus $CPUSET       affinity = the budget
 #   quota   docker run --cpus $CPUS                affinity = every CPU; threads from the
-#                                                  cgroup quota (server/cpu_budget.py)
+#                                                  cgroup quota (server/platform/cpu_budget.py)
 #   old     docker run --cpus $CPUS ... --cpu-threads $(nproc)
 #                                                  one thread per visible CPU, as before
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23's CPU targets on one machine, every arm in turn (benchmarks/README.md, "Issue
+# Issue 23's CPU targets on one machine, every arm in turn (benchmarks/HISTORY.md, "Issue
 # 23's targets on AMD Zen 4"): the decode step at 40 and 1 sequences in bf16 and float32
 # (three runs each, alternated), offline at 32 for dtype auto and float32, online at 32
 # streams against offline (two runs), the seed's script (two runs) and, where Docker and

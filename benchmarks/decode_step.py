@@ -5,7 +5,7 @@ with the CPU decode kernel on and off in turn, whatever start-up chose, so a sha
 machine's drifting load hits both alike. Run it under different `taskset` pinnings to see
 what the thread count costs on a loaded machine, e.g.
 `taskset -c 1 .venv/bin/python benchmarks/decode_step.py`. `--no-malloc-tuning` leaves
-glibc's malloc as it comes (server/cpu_malloc.py), for an A/B of its page faults."""
+glibc's malloc as it comes (server/platform/cpu_malloc.py), for an A/B of its page faults."""
 
 import argparse
 import os
@@ -28,9 +28,9 @@ parser.add_argument("--linear-backend", default="auto", choices=("auto", "torch"
 parser.add_argument("--no-malloc-tuning", action="store_true")
 args = parser.parse_args()
 if args.no_malloc_tuning:
-    import batchpilot.server.engine
+    import batchpilot.server.platform.prepare
 
-    batchpilot.server.engine.keep_freed_memory = lambda: False
+    batchpilot.server.platform.prepare.keep_freed_memory = lambda: False
 
 engine = LLM(None, dtype=args.dtype, max_num_seqs=max(64, args.batch), max_model_len=2048,
              linear_backend=args.linear_backend).engine  # fmt: skip

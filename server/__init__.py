@@ -13,7 +13,7 @@ def __getattr__(name):
 
         return LLM
     if name == "SamplingParams":
-        from batchpilot.server.sampling_params import SamplingParams
+        from batchpilot.server.sampling.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "EngineConfig":

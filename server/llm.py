@@ -5,10 +5,10 @@ import dataclasses
 from tqdm import tqdm
 
 from batchpilot.server.config import EngineConfig
-from batchpilot.server.engine import LLMEngine
-from batchpilot.server.outputs import RequestOutput
-from batchpilot.server.sampling_params import SamplingParams
-from batchpilot.server.stats import EngineStats
+from batchpilot.server.engine.llm_engine import LLMEngine
+from batchpilot.server.engine.stats import EngineStats
+from batchpilot.server.output.outputs import RequestOutput
+from batchpilot.server.sampling.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
 

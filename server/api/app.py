@@ -22,16 +22,18 @@ from batchpilot import __version__, names
 from batchpilot.server.api import admin, chat, completions, lora, probes, tokenize
 from batchpilot.server.api.auth import ApiKeyMiddleware
 from batchpilot.server.api.body_limit import BodyLimitMiddleware
-from batchpilot.server.api.cli import LoRAModule
 from batchpilot.server.api.context import ServerContext
 from batchpilot.server.api.errors import install_error_handlers
 from batchpilot.server.api.lifecycle import DrainingServer, GateMiddleware, Lifecycle
 from batchpilot.server.api.loading import loading_progress
+from batchpilot.server.api.lora_modules import LoRAModule
 from batchpilot.server.api.metrics import ServerMetrics
 from batchpilot.server.api.stats_log import log_stats_forever
-from batchpilot.server.async_engine import AsyncEngine
 from batchpilot.server.config import ConfigError, EngineConfig, config_from_args
-from batchpilot.server.stats import EngineStats
+from batchpilot.server.engine.async_engine import AsyncEngine
+from batchpilot.server.engine.client import EngineClient
+from batchpilot.server.engine.engine_process import EngineProcessClient
+from batchpilot.server.engine.stats import EngineStats
 
 logger = logging.getLogger("batchpilot.serve")
 
@@ -52,7 +54,7 @@ def build_app(
     max_request_body_bytes: int = 4 << 20,
     stream_stall_timeout: float = 60.0,
     log_stats_interval: float = 0.0,
-    on_loaded: Callable[[AsyncEngine], None] | None = None,
+    on_loaded: Callable[[EngineClient], None] | None = None,
     on_load_failed: Callable[[BaseException], None] | None = None,
     lora_modules: tuple[LoRAModule, ...] = (),
     preload_lora_modules: tuple[LoRAModule, ...] = (),
@@ -66,8 +68,11 @@ def build_app(
     def on_step(step) -> None:
         metrics.observe_step(step)
 
-    engine = AsyncEngine(make_engine, on_step, process=engine_process,
-                         setup_process=configure_logging)  # fmt: skip
+    engine: EngineClient = (
+        EngineProcessClient(make_engine, on_step, setup_process=configure_logging)
+        if engine_process
+        else AsyncEngine(make_engine, on_step)
+    )
     metrics = ServerMetrics(served_model_name, lambda: engine.stats)
     lifecycle = Lifecycle()
     context = ServerContext(engine, lifecycle, metrics, served_model_name, admin_token,
@@ -125,7 +130,7 @@ class SideServer(uvicorn.Server):
         return contextlib.nullcontext()
 
 
-async def _after_load(engine: AsyncEngine, on_loaded, on_load_failed, context: ServerContext,
+async def _after_load(engine: EngineClient, on_loaded, on_load_failed, context: ServerContext,
                       preloaded: tuple[LoRAModule, ...]) -> None:  # fmt: skip
     try:
         await engine.loaded
@@ -166,7 +171,7 @@ def configure_logging() -> None:
 def _make_engine(config, lora_modules: tuple[LoRAModule, ...],
                  preload_lora_modules: tuple[LoRAModule, ...], served: str):  # fmt: skip
     """The engine `serve` runs (module-level, so that it pickles to an engine process)."""
-    from batchpilot.server.engine import LLMEngine
+    from batchpilot.server.engine.llm_engine import LLMEngine
 
     with loading_progress(served) as on_stage:
         engine = LLMEngine(config, on_stage=on_stage)
@@ -193,7 +198,7 @@ def serve(args) -> int:
     make_engine = functools.partial(_make_engine, config, tuple(args.lora_modules), preload,
                                     served)  # fmt: skip
 
-    def on_loaded(engine: AsyncEngine) -> None:
+    def on_loaded(engine: EngineClient) -> None:
         logger.info(ready_line(url, served, engine.config, engine.stats))
 
     def on_load_failed(error: BaseException) -> None:

@@ -5,15 +5,15 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from batchpilot.server.api.cli import LoRAModule
 from batchpilot.server.api.lifecycle import Lifecycle
+from batchpilot.server.api.lora_modules import LoRAModule
 from batchpilot.server.api.metrics import ServerMetrics
-from batchpilot.server.async_engine import AsyncEngine
+from batchpilot.server.engine.client import EngineClient
 
 
 @dataclass
 class ServerContext:
-    engine: AsyncEngine
+    engine: EngineClient
     lifecycle: Lifecycle
     metrics: ServerMetrics
     served_model_name: str

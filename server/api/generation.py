@@ -7,7 +7,7 @@ import asyncio
 from batchpilot.server.api.context import ServerContext
 from batchpilot.server.api.errors import APIError, error_body
 from batchpilot.server.api.responses import sse
-from batchpilot.server.async_engine import (
+from batchpilot.server.engine.client import (
     EngineFailed,
     EngineNotReady,
     RequestFailed,

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # server/logprobs.py imports torch; the API must load without it
-    from batchpilot.server.logprobs import PositionLogprobs
+if TYPE_CHECKING:  # server/sampling/logprobs.py imports torch; the API must load without it
+    from batchpilot.server.sampling.logprobs import PositionLogprobs
 
 FLOOR = -9999.0
 

@@ -19,9 +19,9 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from batchpilot.server.api.admin import require_admin
-from batchpilot.server.api.cli import LORA_NAME_PATTERN, MAX_LORA_PATH_CHARS, LoRAModule
 from batchpilot.server.api.context import ServerContext
 from batchpilot.server.api.errors import APIError
+from batchpilot.server.api.lora_modules import LORA_NAME_PATTERN, MAX_LORA_PATH_CHARS, LoRAModule
 from batchpilot.server.lora import LoRAError, LoRANotFound
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Gauges and counters are read from the engine's EngineStats at scrape time by a custom collector,
 so they are never staler than the last engine step. Histograms are observed on the event
-loop from each step's outputs (one call per step, see engine_core.Turn).
+loop from each step's outputs (one call per step, see engine/core.py's Turn).
 """
 
 import time
@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from batchpilot import names
-from batchpilot.server.stats import EngineStats
+from batchpilot.server.engine.stats import EngineStats
 
 # Latency buckets span a fast GPU decode (ms) to a CPU prefill of a long prompt behind a
 # deep queue (minutes).
@@ -146,7 +146,7 @@ class ServerMetrics:
         self._last_token_time: dict[str, float] = {}
 
     def observe_step(self, step) -> None:
-        """Called on the event loop with each engine_core.Turn."""
+        """Called on the event loop with each engine/core.py Turn."""
         if step.stepped:
             self.iteration_tokens.observe(step.stats.last_step_num_tokens)
             self.batch_size.observe(step.stats.last_step_batch_size)

@@ -204,7 +204,7 @@ class ChatCompletionRequest(SamplingFields):
 def sampling_params(request: SamplingFields, max_tokens: int, index: int):
     """The SamplingParams for choice `index` of `request`. With a seed, choice i uses
     seed + i so that n choices differ but each stays reproducible."""
-    from batchpilot.server.sampling_params import SamplingParams
+    from batchpilot.server.sampling.sampling_params import SamplingParams
 
     seed = None if request.seed is None else (request.seed + index) % (INT64_MAX + 1)
     logprobs, prompt_logprobs = request.logprobs_params()

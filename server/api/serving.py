@@ -14,7 +14,7 @@ from batchpilot.server.api.context import ServerContext
 from batchpilot.server.api.generation import collect, start, stream_error_event
 from batchpilot.server.api.protocol import sampling_params
 from batchpilot.server.api.streaming import AbortingStreamingResponse
-from batchpilot.server.async_engine import RequestStream
+from batchpilot.server.engine.client import RequestStream
 
 # (index, text, finish_reason, logprobs, stop_reason) -> choice
 Choice = Callable[[int, str, str | None, dict | None, int | str | None], dict]

@@ -5,7 +5,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from batchpilot.server.stats import EngineStats
+from batchpilot.server.engine.stats import EngineStats
 
 logger = logging.getLogger("batchpilot.stats")
 

@@ -13,7 +13,7 @@ import logging
 
 from starlette.responses import StreamingResponse
 
-from batchpilot.server.async_engine import RequestStream
+from batchpilot.server.engine.client import RequestStream
 
 logger = logging.getLogger(__name__)
 

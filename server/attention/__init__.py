@@ -17,7 +17,7 @@ from batchpilot.server.kv.cache import FP8_DTYPES
 
 def resolve_backend(name: str, device: torch.device, kv_cache_dtype: str) -> str:
     """auto: triton on CUDA GPUs it supports, torch elsewhere (on CPU the runner then asks
-    cpu_decode.choose whether its kernel or torch decodes). cpu_kernel: the CPU decode
+    cpu_decode_choice.choose whether its kernel or torch decodes). cpu_kernel: the CPU decode
     kernel, forced (CPU only). tl.dot on bf16 needs
     Ampere (sm80); Triton's fp8 e4m3 type needs Ada or Hopper (sm89). Under
     TRITON_INTERPRET=1 (set by the kernel tests for the whole test session) kernels run

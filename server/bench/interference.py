@@ -92,7 +92,7 @@ def run_scenario(engine, short_ids: list[int], long_ids: list[int], num_decoders
 
 
 def run(args: argparse.Namespace) -> int:
-    from batchpilot.server.engine import LLMEngine
+    from batchpilot.server.engine.llm_engine import LLMEngine
 
     settings = [("off", None)] + [(f"on, {n}-token budget", n) for n in args.chunk_sizes]
     rows, results = [], []

@@ -9,7 +9,7 @@ peak is measured, so the online load generator stays torch-free."""
 import os
 import time
 
-from batchpilot.server.cpuinfo import cpu_flags, cpuinfo_field
+from batchpilot.server.platform.cpuinfo import cpu_flags, cpuinfo_field
 
 # The flags that decide how fast torch's CPU matmuls run in each dtype.
 MATMUL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")

@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from batchpilot.server.bench import engine_runs, hf_baselines, machine
-    from batchpilot.server.device import resolve_device, resolve_dtype
     from batchpilot.server.model.loader import load_hf_model
+    from batchpilot.server.platform.device import resolve_device, resolve_dtype
 
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
@@ -100,7 +100,7 @@ def engine_efficiency(args, engine_kwargs: dict, hf_model, requests) -> dict | N
     if args.efficiency_steps <= 0:
         return None
     from batchpilot.server.bench.efficiency import measure_efficiency
-    from batchpilot.server.engine import LLMEngine
+    from batchpilot.server.engine.llm_engine import LLMEngine
 
     print("measuring engine efficiency ...", flush=True)
     engine = LLMEngine(**engine_kwargs)

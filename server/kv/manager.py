@@ -2,8 +2,8 @@
 hash registration, freeing and swap mappings. No tensors here; the scheduler decides
 and kv/cache.py copies."""
 
+from batchpilot.server.engine.sequence import Sequence
 from batchpilot.server.kv.block_pool import BlockPool, SwapSpace, block_digest
-from batchpilot.server.sequence import Sequence
 
 
 def cdiv(a: int, b: int) -> int:

@@ -4,9 +4,9 @@ load into oneDNN's blocked layout, where a timing at start-up finds it faster th
 torch's `F.linear` runs float32 through MKL's sgemm. On an AVX2-only AMD EPYC that ran the
 bundled model's projections at decode-sized rows at a third to a half of oneDNN's
 prepacked rate; on an Intel Xeon with AVX-512 the two were even and one-row calls were
-slower prepacked (benchmarks/README.md). So with `linear_backend=auto`, `apply()` times
+slower prepacked (benchmarks/HISTORY.md). So with `linear_backend=auto`, `apply()` times
 both on the model's own weights when a float32 CPU engine starts, keeps the verdict
-(server/verdicts.py) and swaps the decoder layers' projections only where oneDNN wins.
+(server/platform/timing_cache.py) and swaps the decoder layers' projections only where oneDNN wins.
 
 The packed weight replaces the dense one, so memory does not grow. The lm_head stays
 dense: when tied, the embedding lookup reads the same tensor."""
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 import torch.utils.cpp_extension
 from torch import nn
 
-from batchpilot.server import verdicts
-from batchpilot.server.cpuinfo import cpuinfo_field
+from batchpilot.server.platform import timing_cache
+from batchpilot.server.platform.cpuinfo import cpuinfo_field
 
 log = logging.getLogger("batchpilot.engine")
 
@@ -83,13 +83,13 @@ def _verdict(layer, dtype: torch.dtype) -> str:
     weights = [getattr(layer, name).weight.detach() for name in PROJECTIONS]
     shapes = [list(w.shape) for w in weights]
     key = verdict_key(shapes, dtype)
-    path = verdicts.path_for(verdict_dir(), "linear", key)
-    verdict, source = verdicts.read(path, key, CHOICES), "cached"
+    path = timing_cache.path_for(verdict_dir(), "linear", key)
+    verdict, source = timing_cache.read(path, key, CHOICES), "cached"
     if verdict is None:
         onednn_ms, torch_ms = time_both(weights)
         choice = "onednn" if onednn_ms < torch_ms else "torch"
         verdict = {"key": key, "choice": choice, "onednn_ms": onednn_ms, "torch_ms": torch_ms}
-        source = "measured" if verdicts.write(path, verdict) else "measured, not cached"
+        source = "measured" if timing_cache.write(path, verdict) else "measured, not cached"
     log.info("CPU linear: oneDNN prepacked %.2f ms vs torch %.2f ms for one layer's "
              "projections at %s rows (%s); using %s (%s)", verdict["onednn_ms"],
              verdict["torch_ms"], "/".join(map(str, TIMED_ROWS)),
@@ -99,7 +99,7 @@ def _verdict(layer, dtype: torch.dtype) -> str:
 
 def verdict_key(shapes: list, dtype: torch.dtype) -> str:
     """Everything the verdict depends on: the CPU, torch and its threads, the shapes."""
-    return verdicts.key(cpu=cpuinfo_field("model name"), shapes=shapes, dtype=str(dtype),
+    return timing_cache.key(cpu=cpuinfo_field("model name"), shapes=shapes, dtype=str(dtype),
                         rows=TIMED_ROWS, packed_rows=PACKED_ROWS)  # fmt: skip
 
 
@@ -123,4 +123,4 @@ def time_both(weights: list[torch.Tensor]) -> tuple[float, float]:
         for x, w, packed in cases:
             prepacked_linear(x, packed, None) if onednn else F.linear(x, w)
 
-    return verdicts.time_both(run, TIMING_BUDGET_S, MIN_REPEATS, MAX_REPEATS)
+    return timing_cache.time_both(run, TIMING_BUDGET_S, MIN_REPEATS, MAX_REPEATS)

@@ -10,23 +10,23 @@ import torch
 
 from batchpilot.server.attention import (
     build_attention_metadata,
-    cpu_decode,
+    cpu_decode_choice,
     num_sms,
     resolve_backend,
 )
 from batchpilot.server.attention.triton_metadata import TritonMetadata
 from batchpilot.server.config import EngineConfig, GiB
+from batchpilot.server.engine.scheduler import SchedulerOutput
+from batchpilot.server.engine.sequence import Sequence
 from batchpilot.server.kv.cache import KVCache, bytes_per_block, storage_dtype
 from batchpilot.server.kv.manager import cdiv
-from batchpilot.server.logprobs import PositionLogprobs, compute_logprobs, gather_logprobs
 from batchpilot.server.lora.slots import LoRABatch, LoRASlots, module_shapes
 from batchpilot.server.model import cpu_linear
 from batchpilot.server.model.cuda_graphs import DecodeGraphs
 from batchpilot.server.model.llama import LlamaDecoder
-from batchpilot.server.sampler import sample_isolating_faults
-from batchpilot.server.sampling_params import SamplingParams
-from batchpilot.server.scheduler import SchedulerOutput
-from batchpilot.server.sequence import Sequence
+from batchpilot.server.sampling.logprobs import PositionLogprobs, compute_logprobs, gather_logprobs
+from batchpilot.server.sampling.sampler import sample_isolating_faults
+from batchpilot.server.sampling.sampling_params import SamplingParams
 
 log = logging.getLogger("batchpilot.engine")
 
@@ -50,6 +50,14 @@ class ModelRunnerOutput:
     def empty(cls, n: int) -> "ModelRunnerOutput":
         return cls([None] * n, [None] * n, [[] for _ in range(n)])
 
+    def record_logprobs(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """Append this step's logprobs to the sequences they were computed for."""
+        for (seq, _), prompt_logprobs, logprobs in zip(scheduled, self.prompt_logprobs,
+                                                       self.logprobs, strict=True):  # fmt: skip
+            seq.prompt_logprobs.extend(prompt_logprobs)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: LlamaDecoder, device: torch.device):
@@ -61,7 +69,7 @@ class ModelRunner:
             config.attention_backend, device, config.kv_cache_dtype
         )
         if self.attention_backend != "triton" and device.type == "cpu":  # built, then timed
-            self.attention_backend = cpu_decode.choose(  # now, not at the first decode step
+            self.attention_backend = cpu_decode_choice.choose(  # now, not at the first decode step
                 config.attention_backend, model.layers[0].num_heads, model.num_kv_heads,
                 model.head_dim, model.lm_head.weight.dtype, config.block_size,
                 config.kv_cache_dtype,

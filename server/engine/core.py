@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchpilot.server.faults import MAX_CONSECUTIVE_STEP_FAILURES, StepFailed
-from batchpilot.server.stats import EngineStats
+from batchpilot.server.engine.stats import EngineStats
+from batchpilot.server.engine.step_faults import MAX_CONSECUTIVE_STEP_FAILURES, StepFailed
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,6 @@
-"""Choices an engine makes by timing two paths at start-up, kept in a file keyed by
+"""The start-up timing verdict cache.
+
+Choices an engine makes by timing two paths at start-up, kept in a file keyed by
 everything the choice depends on. Later starts on the same machine read the file instead
 of timing again, so two engines there make the same choice rather than each following its
 own noisy measurement (their outputs would then differ in the last bits)."""
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from batchpilot.server.cpuinfo import cpu_flags
+from batchpilot.server.platform.cpuinfo import cpu_flags
 
 log = logging.getLogger("batchpilot.engine")
 

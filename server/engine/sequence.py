@@ -7,11 +7,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from batchpilot.server.sampling_params import SamplingParams
+from batchpilot.server.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # these import torch; the API and scheduler modules must not
-    from batchpilot.server.logprobs import PromptLogprobs, SampleLogprobs
     from batchpilot.server.lora.adapter import LoRAAdapter
+    from batchpilot.server.sampling.logprobs import PromptLogprobs, SampleLogprobs
 
 
 class Status(enum.Enum):

@@ -18,8 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from batchpilot.server.config import EngineConfig
+from batchpilot.server.engine.sequence import Sequence, Status
 from batchpilot.server.kv.manager import KVCacheManager
-from batchpilot.server.sequence import Sequence, Status
 
 
 @dataclass

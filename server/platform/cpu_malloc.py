@@ -5,7 +5,7 @@ of them, prefill activations. glibc serves each allocation over its mmap thresho
 fresh mapping and unmaps it on free. glibc raises that threshold by itself as blocks are
 freed, but with a step's mix of sizes the engine still faulted its working set in again
 every step, page by page. On the bundled model at 40 sampling sequences that was 7,648 minor faults a step,
-and the sampler took 18 ms a step instead of 7 (benchmarks/README.md). With the mmap
+and the sampler took 18 ms a step instead of 7 (benchmarks/HISTORY.md). With the mmap
 threshold at glibc's ceiling and freed memory kept at the heap's top, the pages are reused
 and the step faults none.
 

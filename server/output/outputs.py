@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass
 
-from batchpilot.server.logprobs import PromptLogprobs, SampleLogprobs
-from batchpilot.server.sequence import Timings
+from batchpilot.server.engine.sequence import Timings
+from batchpilot.server.sampling.logprobs import PromptLogprobs, SampleLogprobs
 
 
 @dataclass

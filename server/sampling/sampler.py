@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchpilot.server.logprobs import PositionLogprobs, compute_logprobs, gather_logprobs
-from batchpilot.server.penalties import (
+from batchpilot.server.engine.sequence import Sequence
+from batchpilot.server.sampling.logprobs import PositionLogprobs, compute_logprobs, gather_logprobs
+from batchpilot.server.sampling.penalties import (
     apply_logit_bias,
     apply_min_p,
     apply_min_tokens,
     apply_penalties,
 )
-from batchpilot.server.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

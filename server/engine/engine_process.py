@@ -2,8 +2,8 @@
 tokenizes templates, streams and serves metrics, the engine process schedules, runs the
 model and detokenizes, and neither takes the GIL from the other.
 
-The HTTP side keeps AsyncEngine's hand-off lists. A sender thread ships what the event
-loop handed over through a pipe; the engine process runs engine_core's turns exactly as
+The HTTP side keeps the hand-off lists (handoff). A sender thread ships what the event
+loop handed over through a pipe; the engine process runs core's turns exactly as
 the engine thread would, and sends each turn back with the number of hand-overs it
 consumed; a receiver thread matches the turn to its streams and futures (the pipe keeps
 their order) and delivers it on the event loop. Stream and future objects never cross.
@@ -15,8 +15,11 @@ import pickle
 import signal
 import threading
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
-from batchpilot.server.engine_core import EngineCore
+from batchpilot.server.engine.core import EngineCore, Turn
+from batchpilot.server.engine.handoff import HandoffClient
 
 logger = logging.getLogger(__name__)
 
@@ -84,25 +87,29 @@ def _serve(conn, core: EngineCore) -> None:
         conn.send(("turn", turn, len(work), core.engine.config if calls else None))
 
 
-class EngineProcess:
-    """The HTTP side of the pipe, for one AsyncEngine (its hand-off lists and callbacks)."""
+class EngineProcessClient(HandoffClient):
+    """An EngineClient whose engine runs in a process of its own: make_engine runs there
+    (after setup_process), and it and every call's fn must pickle."""
 
-    def __init__(self, owner):
-        self._owner = owner
-        self._conn, child_conn = _CONTEXT.Pipe()
-        self._process = _CONTEXT.Process(
-            target=_engine_main,
-            args=(child_conn, owner._make_engine, owner._setup_process),
-            name="batchpilot-engine",
-            daemon=True,
-        )
-        self._child_conn = child_conn
+    def __init__(self, make_engine: Callable[[], Any],
+                 on_step: Callable[[Turn], None] | None = None,
+                 setup_process: Callable[[], None] | None = None):  # fmt: skip
+        super().__init__(make_engine, on_step)
+        self.setup_process = setup_process
+        self._conn = self._process = None
         # (adds, calls) of each hand-over sent and not yet answered by a turn.
         self._in_flight: deque[tuple[list, list]] = deque()
 
-    def start(self) -> list[threading.Thread]:
+    def start_threads(self) -> list[threading.Thread]:
+        self._conn, child_conn = _CONTEXT.Pipe()
+        self._process = _CONTEXT.Process(
+            target=_engine_main,
+            args=(child_conn, self.make_engine, self.setup_process),
+            name="batchpilot-engine",
+            daemon=True,
+        )
         self._process.start()
-        self._child_conn.close()  # ours closed: the pipe ends when the engine process does
+        child_conn.close()  # ours closed: the pipe ends when the engine process does
         threads = [
             threading.Thread(target=self._send_loop, name="engine-send", daemon=True),
             threading.Thread(target=self._receive_loop, name="engine-receive", daemon=True),
@@ -112,10 +119,9 @@ class EngineProcess:
         return threads
 
     def _send_loop(self) -> None:
-        owner = self._owner
         while True:
-            owner._wake.wait()
-            adds, aborts, calls = owner._take()
+            self.wait_for_work()
+            adds, aborts, calls = self.take_work()
             try:
                 if adds or aborts or calls:
                     calls = self._picklable(calls)
@@ -123,7 +129,7 @@ class EngineProcess:
                     self._conn.send(
                         ("work", [add[1:] for add in adds], aborts, [fn for _, fn in calls])
                     )
-                if owner._stopping:
+                if self.stopping:
                     self._conn.send(("stop",))
                     return
             except (BrokenPipeError, OSError):
@@ -137,30 +143,27 @@ class EngineProcess:
                 pickle.dumps(fn)
             except Exception as e:
                 error = TypeError(f"an engine call must pickle to reach the engine process: {e}")
-                self._owner._loop.call_soon_threadsafe(_fail_future, future, error)
+                self.fail_call_soon(future, error)
                 continue
             kept.append((future, fn))
         return kept
 
     def _receive_loop(self) -> None:
-        owner, loop = self._owner, self._owner._loop
         loaded = False
         try:
             while True:
                 kind, *payload = self._conn.recv()
                 if kind == "loaded":
                     loaded = True
-                    loop.call_soon_threadsafe(owner._loaded, *payload)
+                    self.loaded_soon(*payload)
                 elif kind == "turn":
                     turn, consumed, config = payload
                     handed = [self._in_flight.popleft() for _ in range(consumed)]
                     adds = [add for a, _ in handed for add in a]
                     calls = [call for _, c in handed for call in c]
-                    loop.call_soon_threadsafe(
-                        owner._deliver, owner._result(turn, adds, calls, config)
-                    )
+                    self.deliver_soon(turn, adds, calls, config)
                 elif kind == "failed":
-                    loop.call_soon_threadsafe(owner._failed, payload[0], not loaded)
+                    self.failed_soon(payload[0], not loaded)
                     return
                 else:  # "stopped"
                     return
@@ -168,13 +171,8 @@ class EngineProcess:
             self._process.join(5)
             error = RuntimeError(f"the engine process exited with code {self._process.exitcode}")
             logger.error("%s; no further requests can be served", error)
-            loop.call_soon_threadsafe(owner._failed, error, not loaded)
+            self.failed_soon(error, not loaded)
         finally:
             self._process.join(30)
             if self._process.is_alive():
                 self._process.kill()
-
-
-def _fail_future(future, error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)

@@ -5,8 +5,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from batchpilot.server.config import EngineConfig
+from batchpilot.server.engine.scheduler import Scheduler, SchedulerCounters
 from batchpilot.server.kv.manager import cdiv
-from batchpilot.server.scheduler import Scheduler, SchedulerCounters
 
 
 @dataclass(kw_only=True)

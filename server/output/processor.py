@@ -4,10 +4,10 @@ has already been sent."""
 
 from dataclasses import dataclass
 
-from batchpilot.server.detokenizer import IncrementalDetokenizer
-from batchpilot.server.outputs import CompletionOutput, RequestOutput
-from batchpilot.server.sequence import Sequence
-from batchpilot.server.stop import StopChecker
+from batchpilot.server.engine.sequence import Sequence
+from batchpilot.server.output.detokenizer import IncrementalDetokenizer
+from batchpilot.server.output.outputs import CompletionOutput, RequestOutput
+from batchpilot.server.output.stop_strings import StopChecker
 
 
 @dataclass
@@ -50,6 +50,13 @@ class OutputProcessor:
     def discard(self, request_id: str) -> None:
         """Forget a request that ends without a final output from here."""
         self.requests.pop(request_id, None)
+
+    def failed(self, seq: Sequence, message: str) -> RequestOutput:
+        """The final output of a request the engine failed: no new text, and why."""
+        self.discard(seq.request_id)
+        completion = CompletionOutput(0, "", seq.output_token_ids, "", [], "abort")
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
+                             True, seq.timings, seq.num_cached_tokens, error=message)  # fmt: skip
 
     def output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         """seq's output after this step; the last one for a finished sequence."""

@@ -3,7 +3,7 @@ the hardware."""
 
 import torch
 
-from batchpilot.server.cpuinfo import cpu_flags
+from batchpilot.server.platform.cpuinfo import cpu_flags
 
 
 def resolve_device(name: str) -> torch.device:
