@@ -12,11 +12,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from kindsupport import (
+
+from tests.support.kind import (
     CLUSTER,
     ENV_PATH,
-    HERE,
     KEEP,
+    KIND_TESTS,
     NODE_IMAGE,
     OPERATOR_IMAGE,
     SERVER_IMAGE,
@@ -44,7 +45,7 @@ def kind(tmp_path_factory) -> Iterator[Kind]:
     if NODE_IMAGE:
         env["BATCHPILOT_KIND_NODE_IMAGE"] = NODE_IMAGE
     # Builds the node image first when it is neither in Docker nor cached (cold: ~20 min).
-    run("bash", str(HERE / "cluster.sh"), "create", CLUSTER, env=env, timeout=3600)
+    run("bash", str(KIND_TESTS / "cluster.sh"), "create", CLUSTER, env=env, timeout=3600)
     k = Kind(kubeconfig, workdir)
     node = k.get("nodes")["items"][0]
     k.node_ip = next(a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP")
@@ -65,7 +66,7 @@ def images(kind: Kind) -> None:
     if not SKIP_BUILD:
         if build_mode() == "local":
             env = {"SERVER_IMAGE": SERVER_IMAGE, "OPERATOR_IMAGE": OPERATOR_IMAGE}
-            run("bash", str(HERE / "images.sh"), env=env, timeout=5400)
+            run("bash", str(KIND_TESTS / "images.sh"), env=env, timeout=5400)
         else:
             for dockerfile, image in (
                 ("server/Dockerfile", SERVER_IMAGE),

@@ -33,9 +33,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kindsupport import (
+
+from tests.support.kind import (
     PLURAL,
-    READY_TIMEOUT,
+    POLL,
     REPO,
     SERVER_IMAGE,
     SERVER_PORT,
@@ -47,8 +48,9 @@ from kindsupport import (
     patch_spec,
     rollout_done,
     teardown,
-    wait_for,
+    wait_ready,
 )
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.kind
 
@@ -58,16 +60,7 @@ ROLL_PROMPTS = 30
 @pytest.fixture(scope="module")
 def ready_service(kind: Kind, namespace: str, operator, report) -> Iterator[dict]:
     kind.apply(cpu_sample(namespace))
-    try:
-        isvc = wait_for(
-            "the InferenceService to become Ready",
-            lambda: (o := kind.get(PLURAL, SERVICE, "-n", namespace)) and is_ready(o) and o,
-            READY_TIMEOUT,
-            every=3,
-        )
-    except AssertionError as e:
-        report(str(e))
-    yield isvc
+    yield wait_ready(kind, namespace, report)
     teardown(kind, namespace)
 
 
@@ -146,8 +139,8 @@ def test_openai_completions_through_port_forward(forwarded, report):
 def closed_loop_wired() -> bool:
     return any(
         "run_once" in p.read_text() and "kopf" in p.read_text()
-        for p in (REPO / "operator").glob("*.py")
-        if p.name != "loop.py"
+        for p in (REPO / "operator" / "loop").glob("*.py")
+        if p.name != "turn.py"
     )
 
 
@@ -229,7 +222,7 @@ def test_closed_loop_scales_on_queue_and_tunes_the_pods(
     # Turning tuning on moves max_num_seqs into the ConfigMap-backed argument: one roll.
     # Load sent during it would be judged by pods about to go.
     wait_for("the roll that turning tuning on starts", lambda: rollout_done(kind, namespace, generation),
-             900, every=3)  # fmt: skip
+             900, interval=3)  # fmt: skip
     out = tmp_path / "load.json"
     # 48 streams against 16 slots: the queue per replica exceeds the target of 2 for as long
     # as the load runs. Far more prompts than the test needs, so that a fast machine cannot
@@ -241,12 +234,19 @@ def test_closed_loop_scales_on_queue_and_tunes_the_pods(
         return kind.get("deployment", SERVICE, "-n", namespace)["spec"].get("replicas", 0)
 
     try:
-        wait_for("a scale-up to 2 replicas on queue length", lambda: replicas() >= 2, 420)
+        wait_for(
+            "a scale-up to 2 replicas on queue length", lambda: replicas() >= 2, 420, interval=POLL
+        )
 
         def tuning() -> dict:
             return kind.get(PLURAL, SERVICE, "-n", namespace).get("status", {}).get("tuning") or {}
 
-        wait_for("a tuning decision in status.tuning", lambda: tuning().get("maxNumSeqs"), 420)
+        wait_for(
+            "a tuning decision in status.tuning",
+            lambda: tuning().get("maxNumSeqs"),
+            420,
+            interval=POLL,
+        )
         # A canary runs its own value until its verdict: every pod runs what status says
         # is in force once no trial is on.
         wait_for(
@@ -257,6 +257,7 @@ def test_closed_loop_scales_on_queue_and_tunes_the_pods(
                 and all(x == float(t["maxNumSeqs"]) for x in v.values())
             ),
             600,
+            interval=POLL,
         )
     except AssertionError as e:
         load.kill()
@@ -266,7 +267,7 @@ def test_closed_loop_scales_on_queue_and_tunes_the_pods(
     load.terminate()
     load.communicate(timeout=60)
     try:
-        wait_for("the scale back down to 1 replica", lambda: replicas() == 1, 600)
+        wait_for("the scale back down to 1 replica", lambda: replicas() == 1, 600, interval=POLL)
     except AssertionError as e:
         report(str(e))
     isvc = kind.get(PLURAL, SERVICE, "-n", namespace)
@@ -304,13 +305,13 @@ def test_fp8_kv_cache_roll_under_load_drops_nothing(kind, namespace, node_port, 
         )
 
     try:
-        wait_for("the fp8 rollout", rolled, 900, every=3)
+        wait_for("the fp8 rollout", rolled, 900, interval=3)
         wait_for(
             "status.engine.kvCacheDtype == fp8",
             lambda: (kind.get(PLURAL, SERVICE, "-n", namespace)["status"].get("engine") or {}).get(
                 "kvCacheDtype"
             ) == "fp8",
-            120,
+            120, interval=POLL,
         )  # fmt: skip
     except AssertionError as e:
         load.kill()

@@ -39,11 +39,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from kindsupport import (
+
+from tests.support.kind import (
     OPERATOR_NAMESPACE,
     OPERATOR_SELECTOR,
     PLURAL,
-    READY_TIMEOUT,
+    POLL,
     SERVER_IMAGE,
     SERVER_PORT,
     SERVICE,
@@ -53,8 +54,9 @@ from kindsupport import (
     patch_spec,
     rollout_done,
     teardown,
-    wait_for,
+    wait_ready,
 )
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.kind
 
@@ -176,21 +178,7 @@ def service(kind: Kind, namespace: str, operator, report) -> Iterator[dict]:
         "preStopSleepSeconds": PRE_STOP_SLEEP,
     }
     kind.apply(sample)
-    try:
-        isvc = wait_for(
-            f"the InferenceService to become Ready with {REPLICAS} replicas",
-            lambda: (
-                (o := kind.get(PLURAL, SERVICE, "-n", namespace))
-                and is_ready(o)
-                and o["status"].get("readyReplicas") == REPLICAS
-                and o
-            ),
-            READY_TIMEOUT,
-            every=3,
-        )
-    except AssertionError as e:
-        report(str(e))
-    yield isvc
+    yield wait_ready(kind, namespace, report, REPLICAS, exact=True)
     teardown(kind, namespace)
 
 
@@ -220,7 +208,7 @@ class Load:
             return len(later) == CONCURRENCY and recs
 
         recs = wait_for(f"every request started before {cut:.0f} to end", done,
-                        REQUEST_TIMEOUT + 120, every=3)  # fmt: skip
+                        REQUEST_TIMEOUT + 120, interval=3)  # fmt: skip
         return [r for r in recs if r["t0"] < cut]
 
     def wait_recovered(self, since: float, count: int, timeout: float = 300) -> None:
@@ -233,13 +221,16 @@ class Load:
             last = max((r["t0"] for r in recs if not r["ok"]), default=since)
             return sum(r["ok"] for r in recs if r["t0"] > last) >= count
 
-        wait_for(f"{count} requests to succeed after the last failure", recovered, timeout)
+        wait_for(
+            f"{count} requests to succeed after the last failure", recovered, timeout, interval=POLL
+        )
 
     def wait_ok(self, after: float, count: int, timeout: float = 300) -> None:
         wait_for(
             f"{count} requests started after {after:.0f} to succeed",
             lambda: sum(r["ok"] for r in self.records() if r["t0"] >= after) >= count,
             timeout,
+            interval=POLL,
         )
 
 
@@ -280,6 +271,7 @@ def load(kind: Kind, namespace: str, service, report) -> Iterator[Load]:
                 and p
             ),
             180,
+            interval=POLL,
         )
         handle = Load(kind, namespace, "load", pod["status"]["podIP"])
         handle.wait_ok(0, CONCURRENCY, timeout=300)
@@ -357,7 +349,7 @@ class ConntrackWatch:
         )
         self.client_ip = client_ip
         wait_for("conntrack's first polls", lambda: self.path.read_text().count("---") >= 2,
-                 60, every=0.5)  # fmt: skip
+                 60, interval=0.5)  # fmt: skip
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -372,7 +364,7 @@ class ConntrackWatch:
         # failed shortly before (one CI run: the only failure, refused, with no backend).
         polls = self.path.read_text().count("---")
         wait_for("two conntrack polls after the fault's window",
-                 lambda: self.path.read_text().count("---") >= polls + 2, 60, every=0.5)  # fmt: skip
+                 lambda: self.path.read_text().count("---") >= polls + 2, 60, interval=0.5)  # fmt: skip
         self.close()
         out = self.path.read_text()
         backends: dict[int, set[str]] = {}
@@ -388,7 +380,7 @@ class ConntrackWatch:
 
 def test_a_graceful_delete_of_a_serving_replica_loses_no_request(kind, namespace, load, report):
     try:
-        wait_for("two Ready replicas", lambda: two_ready(kind, namespace), 600, every=3)
+        wait_for("two Ready replicas", lambda: two_ready(kind, namespace), 600, interval=3)
         begin = time.time()
         load.wait_ok(begin, 2 * CONCURRENCY)
         victim = server_pods(kind, namespace)[0]["metadata"]["name"]
@@ -396,7 +388,7 @@ def test_a_graceful_delete_of_a_serving_replica_loses_no_request(kind, namespace
         # Waits until the pod is gone: preStop sleep, then the drain of what it serves.
         kind.kubectl("delete", "pod", victim, "-n", namespace, "--wait=true", timeout=300)
         gone = time.time()
-        wait_for("a replacement replica Ready", lambda: two_ready(kind, namespace), 600, every=3)
+        wait_for("a replacement replica Ready", lambda: two_ready(kind, namespace), 600, interval=3)
         load.wait_ok(time.time(), 2 * CONCURRENCY)
     except AssertionError as e:
         report(str(e))
@@ -442,7 +434,7 @@ class ForcedDelete:
 def force_delete_one(kind, namespace, load, report, tmp_path, proxy) -> ForcedDelete:
     watch = None
     try:
-        pods = wait_for("two Ready replicas", lambda: two_ready(kind, namespace), 600, every=3)
+        pods = wait_for("two Ready replicas", lambda: two_ready(kind, namespace), 600, interval=3)
         begin = time.time()
         load.wait_ok(begin, 2 * CONCURRENCY)
         victim, survivor = pods[0], pods[1]
@@ -455,7 +447,7 @@ def force_delete_one(kind, namespace, load, report, tmp_path, proxy) -> ForcedDe
         recovered = time.time()
         records = load.settled(recovered)
         backends = watch.stop()
-        wait_for("a replacement replica Ready", lambda: two_ready(kind, namespace), 600, every=3)
+        wait_for("a replacement replica Ready", lambda: two_ready(kind, namespace), 600, interval=3)
     except AssertionError as e:
         if watch is not None:
             watch.close()
@@ -540,7 +532,7 @@ def test_d_a_replica_whose_metrics_stop_answering_does_not_scale_the_service_dow
 ):
     proxy = kube_proxy(kind)
     try:
-        pods = wait_for("two Ready replicas", lambda: two_ready(kind, namespace), 600, every=3)
+        pods = wait_for("two Ready replicas", lambda: two_ready(kind, namespace), 600, interval=3)
         # Builtin autoscaling starts from minReplicas until the loop's first decision is in
         # status (turned on with minReplicas 1 it would drop a replica at once), and this
         # load's demand seen by the loop wanders around 1-1.4 replicas' worth: on at 2..2
@@ -567,7 +559,7 @@ def test_d_a_replica_whose_metrics_stop_answering_does_not_scale_the_service_dow
             )
 
         wait_for("a loop turn that scraped both replicas, keeps 2, knows no capacity",
-                 fresh_turn, 300)  # fmt: skip
+                 fresh_turn, 300, interval=POLL)  # fmt: skip
     except AssertionError as e:
         report(str(e))
     victim = pods[0]
@@ -613,7 +605,7 @@ def test_d_a_replica_whose_metrics_stop_answering_does_not_scale_the_service_dow
 
         # The faulted replica's samples leave the 60 s window, then the recommendation
         # falls to one replica's worth.
-        wait_for("the loop to hold a scale-down for the unscraped replica", watch, 480, every=2)
+        wait_for("the loop to hold a scale-down for the unscraped replica", watch, 480, interval=2)
         victim_now = kind.get("pod", victim_name, "-n", namespace)
     except AssertionError as e:
         node_exec(kind, proxy, "iptables", "-w", "-D", *rule)
@@ -629,6 +621,7 @@ def test_d_a_replica_whose_metrics_stop_answering_does_not_scale_the_service_dow
                 and not a.get("scaleDownHeld")
             ),
             120,
+            interval=POLL,
         )
     except AssertionError as e:
         report(str(e))
@@ -668,7 +661,7 @@ def test_c_the_operator_killed_mid_fp8_roll_comes_back_and_the_roll_converges(
 ):
     watch = None
     try:
-        before = wait_for("two Ready replicas", lambda: two_ready(kind, namespace), 600, every=3)
+        before = wait_for("two Ready replicas", lambda: two_ready(kind, namespace), 600, interval=3)
         old_pods = {p["status"]["podIP"]: p["metadata"]["name"] for p in before}
         begin = time.time()
         load.wait_ok(begin, CONCURRENCY)
@@ -690,7 +683,7 @@ def test_c_the_operator_killed_mid_fp8_roll_comes_back_and_the_roll_converges(
                 > generation
             ),
             120,
-            every=1,
+            interval=1,
         )
         dep = kind.get("deployment", SERVICE, "-n", namespace)
         killed = time.time()
@@ -707,9 +700,10 @@ def test_c_the_operator_killed_mid_fp8_roll_comes_back_and_the_roll_converges(
                 if p["metadata"]["name"] != old and is_ready(p)
             ],
             300,
+            interval=POLL,
         )
         wait_for("the fp8 roll to complete", lambda: rollout_done(kind, namespace, generation),
-                 900, every=3)  # fmt: skip
+                 900, interval=3)  # fmt: skip
 
         def converged():
             isvc = kind.get(PLURAL, SERVICE, "-n", namespace)
@@ -723,7 +717,7 @@ def test_c_the_operator_killed_mid_fp8_roll_comes_back_and_the_roll_converges(
                 and isvc
             )
 
-        isvc = wait_for("the status to converge on fp8", converged, 300, every=3)
+        isvc = wait_for("the status to converge on fp8", converged, 300, interval=3)
         done = time.time()
         records = [r for r in load.settled(done) if r["t0"] >= begin]
         backends = watch.stop()

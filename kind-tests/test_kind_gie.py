@@ -17,13 +17,13 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
-from kindsupport import (
+
+from tests.support.kind import (
     CACHE,
     CLUSTER,
     K8S_VERSION,
     OPERATOR_IMAGE,
-    PLURAL,
-    READY_TIMEOUT,
+    POLL,
     REPO,
     SERVER_PORT,
     SERVICE,
@@ -33,8 +33,9 @@ from kindsupport import (
     is_ready,
     run,
     teardown,
-    wait_for,
+    wait_ready,
 )
+from tests.support.wait import wait_for
 
 sys.path.insert(0, str(REPO / "kind-tests" / "gie"))
 import manifests
@@ -99,18 +100,13 @@ def pool_service(kind: Kind, namespace: str, operator, report) -> Iterator[dict]
     }
     kind.apply(sample)
     kind.apply(*manifests.epp_objects(namespace, SERVICE, EPP_IMAGE))
+    isvc = wait_ready(kind, namespace, report, 2, exact=True)
     try:
-        isvc = wait_for(
-            "the InferenceService Ready with 2 replicas",
-            lambda: (o := kind.get(PLURAL, SERVICE, "-n", namespace))
-            and is_ready(o) and o["status"].get("readyReplicas") == 2 and o,
-            READY_TIMEOUT, every=3,
-        )  # fmt: skip
         wait_for(
             "the EPP available",
             lambda: kind.get("deployment", manifests.epp_name(SERVICE), "-n", namespace)
             .get("status", {}).get("availableReplicas"),
-            300,
+            300, interval=POLL,
         )  # fmt: skip
     except AssertionError as e:
         report(str(e))
@@ -135,7 +131,12 @@ def picks(kind: Kind, namespace: str, count: int) -> list[str]:
         text=True,
     )  # fmt: skip
     try:
-        wait_for("the port-forward", lambda: "Forwarding from" in (forward.stdout.readline()), 60)
+        wait_for(
+            "the port-forward",
+            lambda: "Forwarding from" in (forward.stdout.readline()),
+            60,
+            interval=POLL,
+        )
         out = subprocess.run(
             [str(GIE_BIN / "pickclient"), "--addr", f"127.0.0.1:{port}", "--model", MODEL,
              "--prompt", "The capital of France is", "--count", str(count)],
@@ -185,7 +186,7 @@ def test_the_epp_reads_every_pod_and_its_picks_follow_load(kind, namespace, pool
                 >= BUSY_STREAMS / 2
             ),
             300,
-            every=3,
+            interval=3,
         )
     except AssertionError as e:
         report(str(e))

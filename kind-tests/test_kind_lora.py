@@ -20,30 +20,29 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kindsupport import (
+
+from batchpilot.server.model.loader import resolve_source
+from tests.support.kind import (
     CLUSTER,
     PLURAL,
-    READY_TIMEOUT,
-    REPO,
+    POLL,
     SERVER_PORT,
     SERVICE,
     Kind,
     cpu_sample,
     free_port,
-    is_ready,
     patch_spec,
     run,
     teardown,
-    wait_for,
+    wait_ready,
 )
-
-from batchpilot.server.model.loader import resolve_source
+from tests.support.models import make_adapter
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.kind
 
@@ -62,10 +61,6 @@ def source(name: str) -> str:
 @pytest.fixture(scope="module")
 def adapter_dir(tmp_path_factory) -> Path:
     """first/ and second/: PEFT directories for the bundled model, different seeds."""
-    if str(REPO / "tests") not in sys.path:  # on it when tests/ is collected too
-        sys.path.insert(0, str(REPO / "tests"))
-    from lora_adapters import make_adapter
-
     root = tmp_path_factory.mktemp("loras")
     base = resolve_source(None)[0]
     for seed, name in enumerate(("first", "second"), start=1):
@@ -114,7 +109,7 @@ def claim(kind: Kind, namespace: str, adapter_dir: Path) -> Iterator[str]:
     wait_for(
         f"claim {CLAIM} to bind",
         lambda: kind.get("pvc", CLAIM, "-n", namespace).get("status", {}).get("phase") == "Bound",
-        60,
+        60, interval=POLL,
     )  # fmt: skip
     yield CLAIM
     kind.kubectl("delete", "pv", pv, "--ignore-not-found", "--wait=false")
@@ -135,21 +130,7 @@ def lora_sample(namespace: str) -> dict:
 @pytest.fixture(scope="module")
 def lora_service(kind: Kind, namespace: str, operator, claim, report) -> Iterator[dict]:
     kind.apply(lora_sample(namespace))
-    try:
-        isvc = wait_for(
-            f"the InferenceService to become Ready with {REPLICAS} replicas",
-            lambda: (
-                (o := kind.get(PLURAL, SERVICE, "-n", namespace))
-                and is_ready(o)
-                and o.get("status", {}).get("readyReplicas", 0) >= REPLICAS
-                and o
-            ),
-            READY_TIMEOUT,
-            every=3,
-        )
-    except AssertionError as e:
-        report(str(e))
-    yield isvc
+    yield wait_ready(kind, namespace, report, REPLICAS)
     teardown(kind, namespace)
 
 
@@ -290,7 +271,7 @@ def test_adapters_added_and_removed_live_on_every_pod(
     # ---- "first", in the spec from the start: on every pod, mounted from the claim
     try:
         wait_for('"first" loaded on every pod',
-                 lambda: loaded_everywhere(kind, namespace, "first", pods), CHANGE_TIMEOUT)  # fmt: skip
+                 lambda: loaded_everywhere(kind, namespace, "first", pods), CHANGE_TIMEOUT, interval=POLL)  # fmt: skip
     except AssertionError as e:
         report(str(e))
     for pod in pods:
@@ -317,7 +298,7 @@ def test_adapters_added_and_removed_live_on_every_pod(
     added = time.monotonic()
     try:
         wait_for('"second" loaded on every pod',
-                 lambda: loaded_everywhere(kind, namespace, "second", pods), CHANGE_TIMEOUT)  # fmt: skip
+                 lambda: loaded_everywhere(kind, namespace, "second", pods), CHANGE_TIMEOUT, interval=POLL)  # fmt: skip
     except AssertionError as e:
         report(str(e))
     timings = {"add_to_every_pod_s": round(time.monotonic() - added, 1)}
@@ -338,7 +319,7 @@ def test_adapters_added_and_removed_live_on_every_pod(
     removed = time.monotonic()
     try:
         wait_for('"first" unloaded from every pod',
-                 lambda: gone_everywhere(kind, namespace, "first", pods), CHANGE_TIMEOUT)  # fmt: skip
+                 lambda: gone_everywhere(kind, namespace, "first", pods), CHANGE_TIMEOUT, interval=POLL)  # fmt: skip
     except AssertionError as e:
         report(str(e))
     timings["remove_from_every_pod_s"] = round(time.monotonic() - removed, 1)

@@ -34,9 +34,13 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from kindsupport import (
+
+from batchpilot.operator.loop.judge import JudgeLimits
+from batchpilot.operator.loop.tune_rules import TuneLimits
+from batchpilot.operator.loop.tuner_state import EngineSettings, Move
+from tests.support.kind import (
     PLURAL,
-    READY_TIMEOUT,
+    POLL,
     REPO,
     SERVER_PORT,
     SERVICE,
@@ -45,12 +49,9 @@ from kindsupport import (
     is_ready,
     patch_spec,
     teardown,
-    wait_for,
+    wait_ready,
 )
-
-from batchpilot.operator.loop.judge import JudgeLimits
-from batchpilot.operator.loop.tune import TuneLimits
-from batchpilot.operator.loop.tuner_state import EngineSettings, Move
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.kind
 
@@ -84,16 +85,7 @@ def tuning_sample(namespace: str) -> dict:
 @pytest.fixture(scope="module")
 def ready_service(kind: Kind, namespace: str, operator, report) -> Iterator[dict]:
     kind.apply(tuning_sample(namespace))
-    try:
-        isvc = wait_for(
-            "the InferenceService to become Ready",
-            lambda: (o := kind.get(PLURAL, SERVICE, "-n", namespace)) and is_ready(o) and o,
-            READY_TIMEOUT,
-            every=3,
-        )
-    except AssertionError as e:
-        report(str(e))
-    yield isvc
+    yield wait_ready(kind, namespace, report)
     teardown(kind, namespace)
 
 
@@ -198,6 +190,7 @@ def test_a_tuning_change_is_kept_and_one_is_reverted_on_real_pods(
                 (v := pod_max_num_seqs(kind, namespace)) and all(x == START_MNS for x in v.values())
             ),
             180,
+            interval=POLL,
         )
     except AssertionError as e:
         report(f"{e}\n{dump(tuning_status(kind, namespace))}")
@@ -237,7 +230,7 @@ def _kept_then_reverted(kind: Kind, namespace: str, url: str, tmp_path: Path, lo
 
     try:
         tuning, i, kept = wait_for("a verdict on a raise of max_num_seqs", raise_judged,
-                                   VERDICT_TIMEOUT, every=3)  # fmt: skip
+                                   VERDICT_TIMEOUT, interval=3)  # fmt: skip
     except AssertionError as e:
         report(f"{e}\n{dump(tuning_status(kind, namespace))}")
     history = tuning["history"]
@@ -273,7 +266,7 @@ def _kept_then_reverted(kind: Kind, namespace: str, url: str, tmp_path: Path, lo
                 and i.get("runningPerReplica", 0) >= 2  # the new load runs
             ),
             300,
-            every=3,
+            interval=3,
         )
     except AssertionError as e:
         report(f"{e}\n{dump(tuning_status(kind, namespace))}")
@@ -289,9 +282,20 @@ def _kept_then_reverted(kind: Kind, namespace: str, url: str, tmp_path: Path, lo
                 and all(x == float(t["maxNumSeqs"]) for x in v.values())
             ),
             120,
+            interval=POLL,
         )
-        wait_for("the TuningKept Event", lambda: events(kind, namespace, "TuningKept"), 120)
-        wait_for("the TuningTrial Event", lambda: events(kind, namespace, "TuningTrial"), 60)
+        wait_for(
+            "the TuningKept Event",
+            lambda: events(kind, namespace, "TuningKept"),
+            120,
+            interval=POLL,
+        )
+        wait_for(
+            "the TuningTrial Event",
+            lambda: events(kind, namespace, "TuningTrial"),
+            60,
+            interval=POLL,
+        )
     except AssertionError as e:
         report(f"{e}\n{dump(tuning_status(kind, namespace))}")
 
@@ -303,7 +307,7 @@ def _kept_then_reverted(kind: Kind, namespace: str, url: str, tmp_path: Path, lo
 
     try:
         tuning, j, reverted = wait_for("a verdict on a lower of max_num_seqs", lower_judged,
-                                       VERDICT_TIMEOUT, every=2)  # fmt: skip
+                                       VERDICT_TIMEOUT, interval=2)  # fmt: skip
     except AssertionError as e:
         report(f"{e}\n{dump(tuning_status(kind, namespace))}")
     history = tuning["history"]
@@ -348,9 +352,9 @@ def _kept_then_reverted(kind: Kind, namespace: str, url: str, tmp_path: Path, lo
                 and all(x == float(restored) for x in v.values())
             ),
             25,  # a new try (a different value) could start 30 s after the revert
-            every=1,
+            interval=1,
         )
         wait_for("the TuningReverted Event", lambda: events(kind, namespace, "TuningReverted"),
-                 120)  # fmt: skip
+                 120, interval=POLL)  # fmt: skip
     except AssertionError as e:
         report(f"{e}\n{dump(tuning_status(kind, namespace))}")

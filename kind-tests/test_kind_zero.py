@@ -20,10 +20,15 @@ from collections.abc import Iterator
 from datetime import datetime
 
 import pytest
-from kindsupport import (
+
+from batchpilot.operator.children.service import LABEL_ROUTED
+from batchpilot.operator.loop.idle import WAKE_ANNOTATION
+from batchpilot.server.platform.cpuinfo import cpu_flags, cpuinfo_field
+from tests.support.kind import (
     OPERATOR_IMAGE,
     OPERATOR_NAMESPACE,
     PLURAL,
+    POLL,
     READY_TIMEOUT,
     RELEASE,
     REPO,
@@ -31,14 +36,10 @@ from kindsupport import (
     SERVICE,
     Kind,
     cpu_sample,
-    is_ready,
     teardown,
-    wait_for,
+    wait_ready,
 )
-
-from batchpilot.operator.loop.idle import WAKE_ANNOTATION
-from batchpilot.operator.resources import LABEL_ROUTED
-from batchpilot.server.cpuinfo import cpu_flags, cpuinfo_field
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.kind
 
@@ -106,16 +107,7 @@ def zero_sample(namespace: str) -> dict:
 @pytest.fixture(scope="module")
 def zero_service(kind: Kind, namespace: str, operator, report) -> Iterator[dict]:
     kind.apply(zero_sample(namespace))
-    try:
-        isvc = wait_for(
-            "the InferenceService to become Ready",
-            lambda: (o := kind.get(PLURAL, SERVICE, "-n", namespace)) and is_ready(o) and o,
-            READY_TIMEOUT,
-            every=3,
-        )
-    except AssertionError as e:
-        report(str(e))
-    yield isvc
+    yield wait_ready(kind, namespace, report)
     teardown(kind, namespace)
 
 
@@ -170,7 +162,7 @@ def client_results(kind: Kind, namespace: str, name: str, timeout: float) -> lis
         lambda: kind.get("pod", name, "-n", namespace)["status"].get("phase")
         in ("Succeeded", "Failed"),
         timeout,
-        every=3,
+        interval=3,
     )  # fmt: skip
     return json.loads(kind.kubectl("logs", "-n", namespace, name).stdout.strip().splitlines()[-1])
 
@@ -209,10 +201,10 @@ def condition_time(pod: dict, type_: str) -> float:
 def wait_for_zero(kind: Kind, namespace: str, report) -> float:
     try:
         wait_for("the service to scale to zero", lambda: replicas(kind, namespace) == 0,
-                 IDLE_SECONDS + 300, every=3)  # fmt: skip
-        wait_for("its pods gone", lambda: not pods(kind, namespace), 300, every=3)
+                 IDLE_SECONDS + 300, interval=3)  # fmt: skip
+        wait_for("its pods gone", lambda: not pods(kind, namespace), 300, interval=3)
         wait_for("the Service routed to the activator",
-                 lambda: LABEL_ROUTED in (service_selector(kind, namespace) or {}), 120)  # fmt: skip
+                 lambda: LABEL_ROUTED in (service_selector(kind, namespace) or {}), 120, interval=POLL)  # fmt: skip
     except AssertionError as e:
         report(str(e))
     return time.time()
@@ -241,7 +233,7 @@ def test_zero_hold_wake_and_off_the_data_path(kind, namespace, zero_service, rep
     # ---- once Ready: the Service selects the replica again, the activator is out of it
     try:
         wait_for("the Service selecting the replica again",
-                 lambda: LABEL_ROUTED not in (service_selector(kind, namespace) or {}), 120)  # fmt: skip
+                 lambda: LABEL_ROUTED not in (service_selector(kind, namespace) or {}), 120, interval=POLL)  # fmt: skip
     except AssertionError as e:
         report(str(e))
     # kube-proxy follows the Service's new endpoints within moments: a request through the
@@ -249,7 +241,7 @@ def test_zero_hold_wake_and_off_the_data_path(kind, namespace, zero_service, rep
     (pod,) = pods(kind, namespace)
     try:
         wait_for("a request through the Service to skip the activator",
-                 lambda: goes_direct(kind, namespace, pod["metadata"]["name"]), 120)  # fmt: skip
+                 lambda: goes_direct(kind, namespace, pod["metadata"]["name"]), 120, interval=POLL)  # fmt: skip
     except AssertionError as e:
         report(str(e))
     forwarded = activator_forwarded(kind)
@@ -268,7 +260,7 @@ def test_zero_hold_wake_and_off_the_data_path(kind, namespace, zero_service, rep
         json.dumps(record, indent=1)
     )
     # Bounds on the hold's own share of the cold start, not a speed target (the figures go
-    # to benchmarks/README.md): generous for a loaded machine, and yet a wake that waited
+    # to benchmarks/HISTORY.md): generous for a loaded machine, and yet a wake that waited
     # for a loop turn of its own or a hold that missed Ready by a poll timeout would show.
     assert record["pod_created_s"] <= WAKE_BOUND_SECONDS, record
     assert 0 <= record["first_token_s"] - record["ready_s"] <= FORWARD_BOUND_SECONDS, record

@@ -7,10 +7,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,22 +16,8 @@ from pathlib import Path
 
 import pytest
 
-_TESTS = Path(__file__).resolve().parent
+from tests.k8s import cluster as k8s_cluster
 
-
-def _load_cluster_module():
-    """Import tests/k8s/cluster.py as `k8s_cluster` (tests/ is not a package)."""
-    if "k8s_cluster" in sys.modules:
-        return sys.modules["k8s_cluster"]
-    spec = importlib.util.spec_from_file_location("k8s_cluster", _TESTS / "k8s" / "cluster.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["k8s_cluster"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-k8s_cluster = _load_cluster_module()
 _kept_logs: list[Path] = []
 
 

@@ -8,13 +8,13 @@ server once the test says the replica is Ready."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import openai
 import pytest
-from test_server_harness import TINY_FLAGS, ServerProcess
 
 from batchpilot.operator.activator.proxy import Activator
+from tests.support.servers import TINY_FLAGS, ServerProcess
+from tests.support.wait import eventually
 
 MODEL = "tiny"
 HOST = "chat.team-a"
@@ -25,7 +25,7 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tiny_llama import make_tiny_llama
+    from tests.support.models import make_tiny_llama
 
     tiny = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
     args = ["--model", tiny, "--served-model-name", MODEL, *TINY_FLAGS, "--max-num-seqs", "16"]
@@ -50,14 +50,6 @@ class Replicas:
     def endpoints(self, namespace: str, name: str) -> list[str]:
         assert (namespace, name) == ("team-a", "chat")
         return [self.url] if self.ready else []
-
-
-async def eventually(predicate, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        await asyncio.sleep(0.05)
 
 
 def sample(act: Activator, name: str, **labels: str) -> float:
@@ -139,7 +131,7 @@ def test_held_requests_are_forwarded_once_a_replica_is_ready(server):
 
     async def scenario(act: Activator, client: openai.AsyncOpenAI) -> None:
         sent = [asyncio.create_task(send(client, k, r)) for k, r in REQUESTS]
-        await eventually(lambda: held(act) == len(REQUESTS))
+        await eventually("every request held", lambda: held(act) == len(REQUESTS))
         assert replicas.wakes and set(replicas.wakes) == {("team-a", "chat")}
         assert not any(task.done() for task in sent)
         replicas.ready = True
@@ -165,7 +157,7 @@ def test_beyond_the_bound_a_request_gets_429_with_retry_after(server):
 
     async def scenario(act: Activator, client: openai.AsyncOpenAI) -> None:
         sent = [asyncio.create_task(send(client, *REQUESTS[i])) for i in range(2)]
-        await eventually(lambda: held(act) == 2)
+        await eventually("2 held requests", lambda: held(act) == 2)
         with pytest.raises(openai.RateLimitError) as refused:
             await send(client, *REQUESTS[2])
         assert int(refused.value.response.headers["Retry-After"]) > 0

@@ -13,13 +13,6 @@ TINY = ["--dtype", "float32"]
 SERVE_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", "64MiB"]
 
 
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from tiny_llama import make_tiny_llama
-
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
-
-
 def only_json(directory, pattern):
     files = sorted(directory.glob(pattern))
     assert len(files) == 1, files

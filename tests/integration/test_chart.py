@@ -14,7 +14,6 @@ import filecmp
 import importlib.util
 import json
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
@@ -22,9 +21,12 @@ import pytest
 import yaml
 
 import batchpilot
-from batchpilot.operator import rbac, resources
+from batchpilot.operator import rbac
+from batchpilot.operator.children.meta import PORT_NAME
+from batchpilot.operator.children.service import SLICE_SERVICE_NAME, activator_of
 from batchpilot.operator.config import OperatorConfig
-from batchpilot.operator.crd import GROUP, PLURAL, VERSION
+from batchpilot.operator.crd.api import GROUP, PLURAL, VERSION
+from tests.support.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "batchpilot"
@@ -413,7 +415,7 @@ def test_operator_is_pointed_at_the_activator_service(k8s):
     assert env["value"] == f"batchpilot-system/{ACTIVATOR}"
     # The operator accepts it, and finds the port it reads there by name.
     assert OperatorConfig(activator_service=env["value"]).activator_service == env["value"]
-    assert svc["spec"]["ports"][0]["name"] == resources.PORT_NAME
+    assert svc["spec"]["ports"][0]["name"] == PORT_NAME
 
 
 def test_activator_cluster_role_is_exactly_activator_permissions(k8s):
@@ -492,17 +494,6 @@ def sar(
     return bool(body["status"].get("allowed"))
 
 
-def wait_for(what: str, predicate, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.5)
-
-
 def leftovers(k8s, release: str, namespaces: list[str]) -> list[str]:
     selector = f"app.kubernetes.io/instance={release}"
     found = []
@@ -563,13 +554,13 @@ def check_activator(k8s, namespace: str, fullname: str, watched: str, other: str
         slices = json.loads(
             k8s.run_kubectl(
                 "get", "endpointslices", "-n", ns, "-l",
-                f"{resources.SLICE_SERVICE_NAME}={svc}", "-o", "json",
+                f"{SLICE_SERVICE_NAME}={svc}", "-o", "json",
             ).stdout
         )["items"]  # fmt: skip
-        activator = resources.activator_of(slices)
+        activator = activator_of(slices)
         return activator if activator and activator.addresses else None
 
-    activator = wait_for("the activator's EndpointSlice", found, timeout=60)
+    activator = wait_for("the activator's EndpointSlice", found, timeout=60, interval=0.5)
     assert activator.port == 8000 and len(activator.addresses) == 1, activator
 
 
@@ -650,6 +641,7 @@ def test_install_rbac_and_uninstall(k8s, namespace):
     wait_for(
         "the release's objects to be gone",
         lambda: not leftovers(k8s, release, [namespace, watched]),
+        interval=0.5,
     )
     assert helm(k8s, "status", release, "-n", namespace, check=False).returncode != 0
     for ns in (watched, other):

@@ -9,28 +9,18 @@ import os
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kubernetes import client
 
+from tests.support.wait import wait_for
+
 pytestmark = pytest.mark.cluster
 
 CHART = Path(__file__).resolve().parents[1] / "k8s" / "testdata" / "hello"
 GPU = "nvidia.com/gpu"
-
-
-def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60, interval: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
 
 
 def gpu_container(gpus: int) -> client.V1Container:
@@ -65,7 +55,7 @@ def test_gpu_deployment_scheduled_on_fake_node_and_ready(k8s, namespace):
         dep = apps.read_namespaced_deployment("gpu", namespace)
         return (dep.status.available_replicas or 0) == dep.spec.replicas
 
-    wait_for("deployment gpu availableReplicas == 3", available)
+    wait_for("deployment gpu availableReplicas == 3", available, interval=0.25)
 
     pods = core.list_namespaced_pod(namespace, label_selector="app=gpu").items
     assert len(pods) == 3
@@ -92,7 +82,7 @@ def test_gpu_deployment_scheduled_on_fake_node_and_ready(k8s, namespace):
                 return c
         return None
 
-    cond = wait_for("too-many-gpus to be reported unschedulable", unschedulable)
+    cond = wait_for("too-many-gpus to be reported unschedulable", unschedulable, interval=0.25)
     assert cond.reason == "Unschedulable"
     assert f"Insufficient {GPU}" in cond.message
 
@@ -101,6 +91,7 @@ def test_gpu_deployment_scheduled_on_fake_node_and_ready(k8s, namespace):
     wait_for(
         "pods to scale down to 1",
         lambda: len(core.list_namespaced_pod(namespace, label_selector="app=gpu").items) == 1,
+        interval=0.25,
     )
 
 
@@ -159,7 +150,7 @@ def test_crd_schema_and_cel_validation(k8s, namespace):
                 for c in (crd.status.conditions or [])
             )
 
-        wait_for("CRD Established", established)
+        wait_for("CRD Established", established, interval=0.25)
 
         def widget(name: str, lo: Any, hi: Any) -> dict[str, Any]:
             return {
@@ -243,7 +234,7 @@ def test_rbac_role_is_enforced(k8s, namespace):
             "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}],
         },
     )
-    wait_for("RBAC to allow list pods", lambda: can_i("list", "pods"), timeout=20)
+    wait_for("RBAC to allow list pods", lambda: can_i("list", "pods"), timeout=20, interval=0.25)
     assert not can_i("delete", "pods")
     assert not can_i("list", "secrets")
 
@@ -329,6 +320,7 @@ def test_job_completes_and_garbage_collector_cascades(k8s, namespace):
     wait_for(
         "job once to succeed (kwok pod-complete stage)",
         lambda: (batch.read_namespaced_job_status("once", namespace).status.succeeded or 0) == 1,
+        interval=0.25,
     )
 
     labels = {"app": "gc"}
@@ -349,6 +341,7 @@ def test_job_completes_and_garbage_collector_cascades(k8s, namespace):
     wait_for(
         "deployment gc ready",
         lambda: (apps.read_namespaced_deployment("gc", namespace).status.ready_replicas or 0) == 2,
+        interval=0.25,
     )
     # Background deletion: the garbage collector removes the ReplicaSet and then the Pods.
     apps.delete_namespaced_deployment("gc", namespace, propagation_policy="Background")
@@ -358,4 +351,5 @@ def test_job_completes_and_garbage_collector_cascades(k8s, namespace):
             not apps.list_namespaced_replica_set(namespace, label_selector="app=gc").items
             and not core.list_namespaced_pod(namespace, label_selector="app=gc").items
         ),
+        interval=0.25,
     )

@@ -1,7 +1,7 @@
 """FP8 KV cache quality on the bundled SmolLM2-135M, measured as the field measures it:
 perplexity of a fixed text through prompt logprobs, fp8 against the unquantized cache.
 The settings are `batchpilot bench quality`'s defaults, whose table is in
-benchmarks/README.md."""
+benchmarks/HISTORY.md."""
 
 import pytest
 

@@ -11,15 +11,16 @@ import time
 
 import httpx
 import pytest
-from test_server_harness import BATCHPILOT, ServerProcess
 
 from batchpilot import names
+from batchpilot.operator.crd.spec import parse_spec
 from batchpilot.operator.loop.admin_client import AdminClient
-from batchpilot.operator.crd import parse_spec
-from batchpilot.operator.loop.turn import ClosedLoop
-from batchpilot.operator.loop.observe import Observer, UrlMetricsSource
-from batchpilot.operator.loop.tune import TuneLimits
+from batchpilot.operator.loop.observe import Observer
+from batchpilot.operator.loop.scrape import UrlMetricsSource
+from batchpilot.operator.loop.tune_rules import TuneLimits
 from batchpilot.operator.loop.tuner_state import EngineSettings
+from batchpilot.operator.loop.turn import ClosedLoop
+from tests.support.servers import BATCHPILOT, ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -4,10 +4,10 @@ batchpilot equals transformers + PEFT, and the merged model, token for token, al
 in one batch with the base model."""
 
 import pytest
-from lora_adapters import make_adapter, peft_greedy
 
 from batchpilot.server import LLM, SamplingParams
 from batchpilot.server.model.loader import resolve_source
+from tests.support.models import make_adapter, peft_greedy
 
 pytestmark = pytest.mark.slow
 

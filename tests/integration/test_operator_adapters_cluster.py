@@ -10,12 +10,12 @@ from __future__ import annotations
 import httpx
 import pytest
 from kubernetes import client
-from lora_adapters import make_adapter
-from test_operator_cluster import wait_for
-from test_operator_loop_cluster import TIMEOUT, api, operator, server, start, tiny_path
+
+from tests.support.cluster import LOOP_TIMEOUT, loop_operator, not_found, server, start
+from tests.support.models import make_adapter
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.cluster
-__all__ = ["api", "tiny_path"]  # fixtures, imported for pytest
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def until_states(api, name: str, want: dict[str, list[str]]) -> None:
         return states(api, name) == want
 
     try:
-        wait_for(f"status.adapters {want}", check, timeout=TIMEOUT)
+        wait_for(f"status.adapters {want}", check, timeout=LOOP_TIMEOUT, not_yet=not_found)
     except AssertionError as e:
         raise AssertionError(f"{e}; status.adapters: {seen}") from None
 
@@ -78,10 +78,10 @@ def test_adapters_load_live_and_unload_without_a_restart(api, tiny_path, adapter
         "adapters": [{"name": "sql", "source": adapters["sql"]}],
     }
     try:
-        with operator(api, [srv]):
+        with loop_operator(api, [srv]):
             api.create("lora", spec)
             start(srv, api, "lora")
-            wait_for("Ready", lambda: api.ready("lora"), timeout=TIMEOUT)
+            wait_for("Ready", lambda: api.ready("lora"), timeout=LOOP_TIMEOUT, not_yet=not_found)
             until_states(api, "lora", {"sql": ["Loaded"]})
             assert served(srv) == {"sql": adapters["sql"]} and completes(srv, "sql")
             dep = api.apps.read_namespaced_deployment("lora", api.ns)
@@ -91,12 +91,22 @@ def test_adapters_load_live_and_unload_without_a_restart(api, tiny_path, adapter
 
             both = [*spec["adapters"], {"name": "chat", "source": adapters["chat"]}]
             api.patch("lora", {"adapters": both})
-            wait_for("chat served", lambda: "chat" in served(srv), timeout=TIMEOUT)
+            wait_for(
+                "chat served",
+                lambda: "chat" in served(srv),
+                timeout=LOOP_TIMEOUT,
+                not_yet=not_found,
+            )
             assert completes(srv, "chat")
             until_states(api, "lora", {"sql": ["Loaded"], "chat": ["Loaded"]})
 
             api.patch("lora", {"adapters": [{"name": "chat", "source": adapters["chat"]}]})
-            wait_for("sql unloaded", lambda: "sql" not in served(srv), timeout=TIMEOUT)
+            wait_for(
+                "sql unloaded",
+                lambda: "sql" not in served(srv),
+                timeout=LOOP_TIMEOUT,
+                not_yet=not_found,
+            )
             until_states(api, "lora", {"chat": ["Loaded"]})
             assert not completes(srv, "sql")
 

@@ -5,7 +5,6 @@ test. kwok marks pods Running and Ready; nothing serves on their IPs."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import signal
@@ -14,158 +13,42 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from kopf.testing import KopfRunner
 from kubernetes import client
 
-from batchpilot.operator import resources
-from batchpilot.operator.config import OperatorConfig
-from batchpilot.operator.crd import GROUP, PLURAL, VERSION
-from batchpilot.operator.handlers import Reconciler, make_registry
+from batchpilot.operator.crd.api import GROUP, PLURAL, VERSION
 from batchpilot.operator.kube import Kube, new_api_client
-from batchpilot.operator.resources import MANAGED_SELECTOR, Owner
+from batchpilot.operator.reconcile import Reconciler
+from tests.support.cluster import (
+    ADMIN_KEY,
+    IMAGE,
+    INTERVAL,
+    ROOT,
+    Api,
+    config,
+    install_crds,
+    not_found,
+    operator,
+)
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.cluster
-
-ROOT = Path(__file__).resolve().parents[2]
-IMAGE = "example.invalid/batchpilot-server:test"
-INTERVAL = 2.0  # the reconcile interval the tests run the operator with
-ADMIN_KEY = "cluster-test-admin-key-7c41"  # what the chart's Secret gives the operator
-
-
-def config(**kw) -> OperatorConfig:
-    return OperatorConfig(
-        server_image=IMAGE, reconcile_interval=INTERVAL, admin_key=ADMIN_KEY, **kw
-    )
-
-
-def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-        except client.ApiException as e:
-            if e.status != 404:
-                raise
-            last = None
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
 
 
 @pytest.fixture(scope="session")
 def crds(k8s) -> None:
     """The generated CRDs, installed once and Established."""
-    k8s.run_kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    k8s.run_kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
-
-
-class Api:
-    """Typed clients plus helpers for one namespace."""
-
-    def __init__(self, k8s, namespace: str):
-        self.k8s, self.ns = k8s, namespace
-        self.core = client.CoreV1Api(k8s.api)
-        self.apps = client.AppsV1Api(k8s.api)
-        self.policy = client.PolicyV1Api(k8s.api)
-        self.custom = client.CustomObjectsApi(k8s.api)
-
-    def create(self, name: str, spec: dict, *, retry_404: bool = True) -> dict:
-        body = {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": "InferenceService",
-            "metadata": {"name": name},
-            "spec": spec,
-        }
-        deadline = time.monotonic() + 15
-        while True:  # the CRD's REST mapping can lag Established by a moment
-            try:
-                return self.custom.create_namespaced_custom_object(
-                    GROUP, VERSION, self.ns, PLURAL, body
-                )
-            except client.ApiException as e:
-                if e.status != 404 or not retry_404 or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-
-    def get(self, name: str) -> dict:
-        return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
-
-    def patch(self, name: str, spec: dict) -> dict:
-        return self.custom.patch_namespaced_custom_object(
-            GROUP,
-            VERSION,
-            self.ns,
-            PLURAL,
-            name,
-            {"spec": spec},
-            _content_type="application/merge-patch+json",
-        )
-
-    def delete(self, name: str) -> None:
-        self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
-
-    def condition(self, name: str, type_: str) -> dict:
-        for c in self.get(name).get("status", {}).get("conditions", []):
-            if c["type"] == type_:
-                return c
-        return {}
-
-    def ready(self, name: str) -> dict | None:
-        st = self.get(name).get("status", {})
-        c = {c["type"]: c for c in st.get("conditions", [])}
-        done = (
-            c.get("Ready", {}).get("status") == "True"
-            and c.get("Progressing", {}).get("status") == "False"
-            and st.get("observedGeneration") == self.get(name)["metadata"]["generation"]
-        )
-        return st if done else None
-
-    def children(self) -> dict[str, list]:
-        """Everything the operator manages in the namespace, by kind."""
-        sel = MANAGED_SELECTOR
-        return {
-            "Deployment": self.apps.list_namespaced_deployment(self.ns, label_selector=sel).items,
-            "Service": self.core.list_namespaced_service(self.ns, label_selector=sel).items,
-            "PodDisruptionBudget": self.policy.list_namespaced_pod_disruption_budget(
-                self.ns, label_selector=sel
-            ).items,
-            "Secret": self.core.list_namespaced_secret(self.ns, label_selector=sel).items,
-            "ConfigMap": self.core.list_namespaced_config_map(self.ns, label_selector=sel).items,
-        }
-
-    def secret_name(self, name: str) -> str:
-        """The admin token's Secret, as the pods' environment names it."""
-        dep = self.apps.read_namespaced_deployment(name, self.ns)
-        env = {e.name: e for e in dep.spec.template.spec.containers[0].env}
-        return env["BATCHPILOT_ADMIN_TOKEN"].value_from.secret_key_ref.name
-
-    def token(self, name: str) -> str:
-        secret = self.core.read_namespaced_secret(self.secret_name(name), self.ns)
-        return base64.b64decode(secret.data["token"]).decode()
-
-    def derived_token(self, name: str) -> str:
-        uid = self.get(name)["metadata"]["uid"]
-        return resources.admin_token(ADMIN_KEY.encode(), Owner(name, self.ns, uid))
-
-    def events(self, name: str) -> dict[str, str]:
-        """reason -> message of the Events on the InferenceService."""
-        return {
-            e.reason: e.message
-            for e in self.core.list_namespaced_event(self.ns).items
-            if e.involved_object.kind == "InferenceService" and e.involved_object.name == name
-        }
+    install_crds(k8s)
 
 
 @pytest.fixture
 def api(k8s, namespace, crds) -> Api:
+    """This module's own: the CRDs once per session, $KUBECONFIG only with kubeconfig_env."""
     return Api(k8s, namespace)
 
 
@@ -175,34 +58,6 @@ def kubeconfig_env(k8s, monkeypatch):
     monkeypatch.setenv("KUBECONFIG", k8s.kubeconfig)
     for var in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
         monkeypatch.delenv(var, raising=False)
-
-
-@contextlib.contextmanager
-def operator(
-    api: Api, reconciler: Reconciler | None = None, cleanup: bool = True
-) -> Iterator[KopfRunner]:
-    cfg = config()
-    registry = make_registry(cfg, reconciler or Reconciler(cfg))
-    args = ["run", "--standalone", "--verbose", "-n", api.ns]
-    with KopfRunner(args, registry=registry, timeout=60) as runner:
-        try:
-            yield runner
-        finally:
-            if cleanup:  # while the operator runs, so that kopf releases its finalizer
-                items = api.custom.list_namespaced_custom_object(GROUP, VERSION, api.ns, PLURAL)
-                for item in items["items"]:
-                    with contextlib.suppress(client.ApiException):
-                        api.delete(item["metadata"]["name"])
-                wait_for(
-                    "InferenceServices to be deleted",
-                    lambda: (
-                        not api.custom.list_namespaced_custom_object(
-                            GROUP, VERSION, api.ns, PLURAL
-                        )["items"]
-                    ),
-                    timeout=120,  # kopf releases its finalizer; slow on a contended machine
-                )
-    assert runner.exception is None, runner.output
 
 
 def owner_uid(obj: Any) -> tuple[str, str, bool, bool]:
@@ -358,7 +213,7 @@ def test_create_children_owners_ready_and_url(api, k8s, kubeconfig_env):
             "chat", {"engine": {"maxNumSeqs": 32}, "resources": {"limits": {"nvidia.com/gpu": 1}}}
         )
         uid = isvc["metadata"]["uid"]
-        st = wait_for("Ready=True", lambda: api.ready("chat"))
+        st = wait_for("Ready=True", lambda: api.ready("chat"), not_yet=not_found)
         assert st["url"] == f"http://chat.{api.ns}.svc.cluster.local:8000"
         assert st["engine"]["maxNumSeqs"] == 32 and st["engine"]["kvCacheDtype"] == "auto"
         assert st["image"] == IMAGE and st["readyReplicas"] == 1 and st["replicas"] == 1
@@ -405,7 +260,7 @@ def test_create_children_owners_ready_and_url(api, k8s, kubeconfig_env):
 def test_spec_change_rolls_and_scale_subresource(api, k8s, kubeconfig_env):
     with operator(api):
         api.create("chat", {"engine": {"maxNumSeqs": 32}})
-        wait_for("Ready", lambda: api.ready("chat"))
+        wait_for("Ready", lambda: api.ready("chat"), not_yet=not_found)
         dep = api.apps.read_namespaced_deployment("chat", api.ns)
         gen, token = dep.metadata.generation, api.token("chat")
 
@@ -413,6 +268,7 @@ def test_spec_change_rolls_and_scale_subresource(api, k8s, kubeconfig_env):
         st = wait_for(
             "the new generation Ready",
             lambda: (s := api.ready("chat")) and s["engine"]["maxNumSeqs"] == 80 and s,
+            not_yet=not_found,
         )
         assert st["engine"]["kvCacheDtype"] == "fp8" and st["observedGeneration"] == 2
         dep = api.apps.read_namespaced_deployment("chat", api.ns)
@@ -426,7 +282,11 @@ def test_spec_change_rolls_and_scale_subresource(api, k8s, kubeconfig_env):
         assert api.token("chat") == token
 
         k8s.run_kubectl("scale", "bpis/chat", "--replicas=3", "-n", api.ns)
-        wait_for("3 ready replicas", lambda: (s := api.ready("chat")) and s["readyReplicas"] == 3)
+        wait_for(
+            "3 ready replicas",
+            lambda: (s := api.ready("chat")) and s["readyReplicas"] == 3,
+            not_yet=not_found,
+        )
         assert api.apps.read_namespaced_deployment("chat", api.ns).spec.replicas == 3
         scale = api.custom.get_namespaced_custom_object_scale(
             GROUP, VERSION, api.ns, PLURAL, "chat"
@@ -441,7 +301,7 @@ def test_spec_change_rolls_and_scale_subresource(api, k8s, kubeconfig_env):
 def test_deletion_garbage_collects_the_children(api, kubeconfig_env):
     with operator(api, cleanup=False):
         api.create("chat", {})
-        wait_for("Ready", lambda: api.ready("chat"))
+        wait_for("Ready", lambda: api.ready("chat"), not_yet=not_found)
         api.delete("chat")
         wait_for(
             "the InferenceService gone",
@@ -451,23 +311,29 @@ def test_deletion_garbage_collects_the_children(api, kubeconfig_env):
                 ]
             ),
             timeout=120,
+            not_yet=not_found,
         )
         wait_for(
-            "children garbage-collected", lambda: not any(api.children().values()), timeout=120
+            "children garbage-collected",
+            lambda: not any(api.children().values()),
+            timeout=120,
+            not_yet=not_found,
         )
-        wait_for("pods gone", lambda: not api.core.list_namespaced_pod(api.ns).items)
+        wait_for(
+            "pods gone", lambda: not api.core.list_namespaced_pod(api.ns).items, not_yet=not_found
+        )
 
 
 def test_drift_is_corrected_within_one_interval(api, k8s, kubeconfig_env):
     with operator(api):
         api.create("chat", {})
-        wait_for("Ready", lambda: api.ready("chat"))
+        wait_for("Ready", lambda: api.ready("chat"), not_yet=not_found)
         svc_uid = api.core.read_namespaced_service("chat", api.ns).metadata.uid
         limit = INTERVAL + 8  # one interval, plus the API round trips on this small machine
 
         def restored(what: str, fn: Callable[[], Any]) -> float:
             t0 = time.monotonic()
-            wait_for(what, fn, timeout=limit)
+            wait_for(what, fn, timeout=limit, not_yet=not_found)
             return time.monotonic() - t0
 
         api.core.delete_namespaced_service("chat", api.ns)
@@ -533,7 +399,7 @@ def test_drift_is_corrected_within_one_interval(api, k8s, kubeconfig_env):
         restored(
             "Deployment recreated", lambda: api.apps.read_namespaced_deployment("chat", api.ns)
         )
-        wait_for("Ready again", lambda: api.ready("chat"))
+        wait_for("Ready again", lambda: api.ready("chat"), not_yet=not_found)
         assert {k: len(v) for k, v in api.children().items()} == {
             "Deployment": 1,
             "Service": 1,
@@ -578,6 +444,7 @@ def test_operator_only_problems_degrade_without_children(api, kubeconfig_env):
                     api.condition(n, "Degraded").get("status") == "True"
                     and api.condition(n, "Degraded")
                 ),
+                not_yet=not_found,
             )
             assert c["reason"] == reason and needle in c["message"], c
             assert api.condition(name, "Ready")["status"] == "False"
@@ -615,7 +482,7 @@ def test_operator_only_problems_degrade_without_children(api, kubeconfig_env):
                     },
                 },
             )
-            wait_for("weights Ready", lambda: api.ready("weights"))
+            wait_for("weights Ready", lambda: api.ready("weights"), not_yet=not_found)
         finally:
             api.core.delete_persistent_volume(pv)
         assert api.condition("weights", "Degraded")["status"] == "False"
@@ -624,13 +491,13 @@ def test_operator_only_problems_degrade_without_children(api, kubeconfig_env):
         assert model.persistent_volume_claim.claim_name == "weights"
         # A fixed spec converges too; so does a ServiceAccount its owner allows.
         api.patch("args", {"pod": {"env": [{"name": "SEED", "value": "7"}]}})
-        wait_for("args Ready", lambda: api.ready("args"))
+        wait_for("args Ready", lambda: api.ready("args"), not_yet=not_found)
         api.core.patch_namespaced_service_account(
             "powerful",
             api.ns,
             {"metadata": {"labels": {"batchpilot.dev/inference-server": "allowed"}}},
         )
-        wait_for("account Ready", lambda: api.ready("account"))
+        wait_for("account Ready", lambda: api.ready("account"), not_yet=not_found)
 
 
 class CrashBeforeDeployment(Kube):
@@ -668,7 +535,7 @@ def test_operator_restart_mid_reconcile_converges_without_duplicates(api, kubeco
     release.set()
 
     with operator(api):  # a fresh operator process, in effect
-        st = wait_for("Ready after the restart", lambda: api.ready("chat"))
+        st = wait_for("Ready after the restart", lambda: api.ready("chat"), not_yet=not_found)
         assert st["readyReplicas"] == 2
         kids = api.children()
         assert {k: len(v) for k, v in kids.items()} == {
@@ -753,12 +620,25 @@ def test_cli_process_json_logs_liveness_and_standby_failover(api, k8s, tmp_path,
         return len(obj.get("status") or {})
 
     try:
-        wait_for("liveness endpoint", lambda: _get(liveness) == 200, timeout=PROCESS_TIMEOUT)
+        wait_for(
+            "liveness endpoint",
+            lambda: _get(liveness) == 200,
+            timeout=PROCESS_TIMEOUT,
+            not_yet=not_found,
+        )
         standby = _start_cli(k8s, api.ns, *peering, "--priority", "10", log=standby_log)
-        wait_for("both replicas in the peering", lambda: peers() == 2, timeout=PROCESS_TIMEOUT)
+        wait_for(
+            "both replicas in the peering",
+            lambda: peers() == 2,
+            timeout=PROCESS_TIMEOUT,
+            not_yet=not_found,
+        )
         api.create("chat", {})
         st = wait_for(
-            "Ready via the active replica", lambda: api.ready("chat"), timeout=PROCESS_TIMEOUT
+            "Ready via the active replica",
+            lambda: api.ready("chat"),
+            timeout=PROCESS_TIMEOUT,
+            not_yet=not_found,
         )
         assert st["image"] == "env/image:1"  # BATCHPILOT_SERVER_IMAGE
         assert "Applied generation" not in standby_log.read_text()
@@ -768,12 +648,14 @@ def test_cli_process_json_logs_liveness_and_standby_failover(api, k8s, tmp_path,
             "the standby to take over",
             lambda: "Resuming operations" in standby_log.read_text(),
             timeout=PROCESS_TIMEOUT,
+            not_yet=not_found,
         )
         api.patch("chat", {"engine": {"maxNumSeqs": 12}})
         wait_for(
             "generation 2 Ready via the standby",
             lambda: (s := api.ready("chat")) and s["engine"]["maxNumSeqs"] == 12,
             timeout=PROCESS_TIMEOUT,
+            not_yet=not_found,
         )
         api.delete("chat")
         wait_for(
@@ -784,6 +666,7 @@ def test_cli_process_json_logs_liveness_and_standby_failover(api, k8s, tmp_path,
                 ]
             ),
             timeout=PROCESS_TIMEOUT,
+            not_yet=not_found,
         )
     except AssertionError as e:
         logs = [
@@ -868,18 +751,25 @@ def test_operator_runs_with_only_its_rbac_rules(api, k8s, tmp_path, monkeypatch)
         with operator(api) as runner:
             api.create("chat", {})
             api.create("weights", {"model": {"source": "pvc://weights/m"}})
-            wait_for("Ready as the ServiceAccount", lambda: api.ready("chat"))
+            wait_for("Ready as the ServiceAccount", lambda: api.ready("chat"), not_yet=not_found)
             wait_for(
                 "Degraded as the ServiceAccount",
                 lambda: api.condition("weights", "Degraded").get("reason") == "ModelSourceNotFound",
+                not_yet=not_found,
             )
             api.core.delete_namespaced_secret(api.secret_name("chat"), api.ns)
-            wait_for("Secret restored", lambda: api.token("chat"), timeout=INTERVAL + 8)
+            wait_for(
+                "Secret restored",
+                lambda: api.token("chat"),
+                timeout=INTERVAL + 8,
+                not_yet=not_found,
+            )
             wait_for(
                 "an event posted",
                 lambda: any(
                     e.reason == "Applied" for e in api.core.list_namespaced_event(api.ns).items
                 ),
+                not_yet=not_found,
             )
         output = runner.output.lower()
         assert "applied generation 1" in output  # the log is really captured

@@ -10,25 +10,14 @@ import json
 
 import pytest
 from kubernetes import client
-from test_operator_cluster import ROOT, Api, operator, wait_for
 
-from batchpilot.operator.crd import GROUP, PLURAL, VERSION
+from batchpilot.operator.crd.api import GROUP, PLURAL, VERSION
+from tests.support.cluster import Api, not_found, operator
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.cluster
 
 PAUSE = "registry.k8s.io/pause:3.10"  # kwok runs nothing: any image name does
-
-
-@pytest.fixture
-def api(k8s, namespace, monkeypatch) -> Api:
-    """The CRDs installed, and the operator (kopf's login and our client) pointed at the
-    cluster through $KUBECONFIG."""
-    k8s.run_kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    k8s.run_kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
-    monkeypatch.setenv("KUBECONFIG", k8s.kubeconfig)
-    for var in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    return Api(k8s, namespace)
 
 
 def foreign_objects(api: Api, hpas: client.AutoscalingV2Api) -> None:
@@ -135,6 +124,7 @@ def test_names_taken_by_others_are_left_untouched_reported_and_never_collected(a
                     (c := api.condition(n, "Degraded")).get("reason") == "NameConflict" and c
                 ),
                 timeout=120,
+                not_yet=not_found,
             )
             assert c["status"] == "True"
             assert f"{kind} {name!r} exists, with no controller" in c["message"], c
@@ -143,6 +133,7 @@ def test_names_taken_by_others_are_left_untouched_reported_and_never_collected(a
             event = wait_for(
                 f"a NameConflict Event on {name}",
                 lambda n=name: api.events(n).get("NameConflict"),
+                not_yet=not_found,
             )
             assert f"{kind} {name!r}" in event
             # Nothing of it was built: status describes no Deployment (not the foreign one).
@@ -150,7 +141,7 @@ def test_names_taken_by_others_are_left_untouched_reported_and_never_collected(a
             assert st["replicas"] == 0 and "engine" not in st and "image" not in st
         # The Secret's name is derived from the token: no one could have taken it, so `sec`
         # serves, with a Secret of its own; the old-style name is someone else's, unused.
-        wait_for("sec Ready", lambda: api.ready("sec"), timeout=120)
+        wait_for("sec Ready", lambda: api.ready("sec"), timeout=120, not_yet=not_found)
         assert api.secret_name("sec") != "sec-admin-token"
         assert api.token("sec") == api.derived_token("sec")
         assert snapshot(api, hpas) == before
@@ -165,11 +156,13 @@ def test_names_taken_by_others_are_left_untouched_reported_and_never_collected(a
                 ]
             ),
             timeout=120,
+            not_yet=not_found,
         )
     wait_for(
         "sec's own children garbage-collected",
         lambda: not any(api.children().values()),
         timeout=120,
+        not_yet=not_found,
     )
     assert snapshot(api, hpas) == before
 
@@ -203,6 +196,7 @@ def test_server_pods_are_admitted_where_restricted_is_enforced(api, k8s):
             "2 server pods Ready under restricted",
             lambda: (s := api.ready("chat")) and s["readyReplicas"] == 2 and s,
             timeout=120,
+            not_yet=not_found,
         )
         assert st["replicas"] == 2
         pods = api.core.list_namespaced_pod(api.ns, label_selector="batchpilot.dev/service=chat")

@@ -12,16 +12,17 @@ import json
 
 import pytest
 import yaml
-from k8s_cluster import gie_crd, versions  # tests/k8s/cluster.py, loaded by conftest.py
 from kubernetes import client
-from test_operator_cluster import Api, operator, wait_for
-from test_operator_loop_cluster import api  # noqa: F401 (the fixture: CRDs, $KUBECONFIG)
 
-from batchpilot.operator import resources
+from batchpilot.operator.children.meta import PORT, selector_labels
+from batchpilot.operator.children.pool import INFERENCE_POOL_KIND
+from tests.k8s.cluster import gie_crd, versions
+from tests.support.cluster import Api, not_found, operator
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.cluster
 
-POOL_GROUP, POOL_VERSION = resources.INFERENCE_POOL_KIND[0].split("/")
+POOL_GROUP, POOL_VERSION = INFERENCE_POOL_KIND[0].split("/")
 POOL_PLURAL = "inferencepools"
 POOL_CRD = f"{POOL_PLURAL}.{POOL_GROUP}"
 ROUTING = {"inferencePool": True, "endpointPicker": {"name": "chat-epp", "port": 9002}}
@@ -48,7 +49,9 @@ def served(k8s) -> bool:
 def no_gie(k8s):
     """GIE's CRD absent for the test's start; installed again (or not) by the test."""
     k8s.run_kubectl("delete", "crd", POOL_CRD, "--ignore-not-found", "--wait=true")
-    wait_for("InferencePool no longer served", lambda: not served(k8s), timeout=120)
+    wait_for(
+        "InferencePool no longer served", lambda: not served(k8s), timeout=120, not_yet=not_found
+    )
     yield
     k8s.run_kubectl("delete", "crd", POOL_CRD, "--ignore-not-found", "--wait=false")
 
@@ -56,10 +59,10 @@ def no_gie(k8s):
 def install_gie(k8s) -> None:
     k8s.run_kubectl("apply", "--server-side", "-f", str(gie_crd()))
     k8s.run_kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{POOL_CRD}")
-    wait_for("InferencePool served", lambda: served(k8s), timeout=60)
+    wait_for("InferencePool served", lambda: served(k8s), timeout=60, not_yet=not_found)
 
 
-def test_the_crd_refuses_a_pool_without_an_endpoint_picker(api):  # noqa: F811
+def test_the_crd_refuses_a_pool_without_an_endpoint_picker(api):
     with pytest.raises(client.ApiException) as e:
         api.create("bad", {"routing": {"inferencePool": True}})
     assert e.value.status == 422, e.value.body
@@ -67,7 +70,7 @@ def test_the_crd_refuses_a_pool_without_an_endpoint_picker(api):  # noqa: F811
     assert "routing.endpointPicker is required with routing.inferencePool" in message, message
 
 
-def test_inference_pool_lifecycle(api, k8s, no_gie):  # noqa: F811
+def test_inference_pool_lifecycle(api, k8s, no_gie):
     with operator(api):
         # Without GIE's CRD: Degraded, saying what to install; nothing else is built.
         api.create("chat", {"replicas": 2, "routing": ROUTING})
@@ -78,6 +81,7 @@ def test_inference_pool_lifecycle(api, k8s, no_gie):  # noqa: F811
                 and c
             ),
             timeout=120,
+            not_yet=not_found,
         )
         assert "Gateway API Inference Extension" in c["message"], c
         assert api.condition("chat", "Ready")["status"] == "False"
@@ -85,10 +89,10 @@ def test_inference_pool_lifecycle(api, k8s, no_gie):  # noqa: F811
         # GIE's CRD installed: the pool appears (the operator looks a kind up again a minute
         # after it found it missing), valid under GIE's own schema, and the service serves.
         install_gie(k8s)
-        p = wait_for("the InferencePool", lambda: pool(api, "chat"), timeout=240)
-        wait_for("chat Ready", lambda: api.ready("chat"), timeout=120)
-        assert p["spec"]["selector"] == {"matchLabels": resources.selector_labels("chat")}
-        assert p["spec"]["targetPorts"] == [{"number": resources.PORT}]
+        p = wait_for("the InferencePool", lambda: pool(api, "chat"), timeout=240, not_yet=not_found)
+        wait_for("chat Ready", lambda: api.ready("chat"), timeout=120, not_yet=not_found)
+        assert p["spec"]["selector"] == {"matchLabels": selector_labels("chat")}
+        assert p["spec"]["targetPorts"] == [{"number": PORT}]
         ref = p["spec"]["endpointPickerRef"]
         assert (ref["kind"], ref["name"], ref["port"]) == ("Service", "chat-epp", {"number": 9002})
         assert ref["failureMode"] == "FailClose"
@@ -107,16 +111,23 @@ def test_inference_pool_lifecycle(api, k8s, no_gie):  # noqa: F811
             "failureMode FailOpen",
             lambda: (pool(api, "chat") or {}).get("spec", {}).get("endpointPickerRef", {})
             .get("failureMode") == "FailOpen",
-            timeout=120,
+            timeout=120, not_yet=not_found,
         )  # fmt: skip
         api.patch("chat", {"routing": {"inferencePool": False}})
-        wait_for("the InferencePool deleted", lambda: pool(api, "chat") is None, timeout=120)
+        wait_for(
+            "the InferencePool deleted",
+            lambda: pool(api, "chat") is None,
+            timeout=120,
+            not_yet=not_found,
+        )
         api.patch("chat", {"routing": {"inferencePool": True}})
-        wait_for("the InferencePool again", lambda: pool(api, "chat"), timeout=120)
+        wait_for(
+            "the InferencePool again", lambda: pool(api, "chat"), timeout=120, not_yet=not_found
+        )
 
         # Someone else's pool of a service's name is neither taken over nor deleted.
         theirs = {
-            "apiVersion": resources.INFERENCE_POOL_KIND[0],
+            "apiVersion": INFERENCE_POOL_KIND[0],
             "kind": "InferencePool",
             "metadata": {"name": "web", "namespace": api.ns, "labels": {"app": "theirs"}},
             "spec": {
@@ -134,10 +145,11 @@ def test_inference_pool_lifecycle(api, k8s, no_gie):  # noqa: F811
             "web Degraded (NameConflict)",
             lambda: (c := api.condition("web", "Degraded")).get("reason") == "NameConflict" and c,
             timeout=120,
+            not_yet=not_found,
         )
         assert "InferencePool 'web' exists, with no controller" in c["message"], c
         api.delete("web")
-        wait_for("web deleted", lambda: not _exists(api, "web"), timeout=120)
+        wait_for("web deleted", lambda: not _exists(api, "web"), timeout=120, not_yet=not_found)
         after = pool(api, "web")
         assert after is not None and after["spec"] == before["spec"]
         assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
@@ -145,7 +157,12 @@ def test_inference_pool_lifecycle(api, k8s, no_gie):  # noqa: F811
         # Deleting the InferenceService collects its pool (the garbage collector, through
         # the owner reference).
         api.delete("chat")
-        wait_for("chat's InferencePool collected", lambda: pool(api, "chat") is None, timeout=180)
+        wait_for(
+            "chat's InferencePool collected",
+            lambda: pool(api, "chat") is None,
+            timeout=180,
+            not_yet=not_found,
+        )
 
 
 def _exists(cluster: Api, name: str) -> bool:

@@ -16,96 +16,18 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from kopf.testing import KopfRunner
 from kubernetes import client
-from test_operator_cluster import ADMIN_KEY, Api, wait_for
-from test_server_harness import TINY_FLAGS, ServerProcess
 
 from batchpilot import names
-from batchpilot.operator.config import OperatorConfig
-from batchpilot.operator.crd import GROUP, PLURAL, VERSION
-from batchpilot.operator.handlers import make_registry
 from batchpilot.server.bench.server_process import free_port
+from tests.support.cluster import LOOP_TIMEOUT, MODEL, Api, loop_operator, not_found, server, start
+from tests.support.servers import ServerProcess
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.cluster
-
-ROOT = Path(__file__).resolve().parents[2]
-IMAGE = "example.invalid/batchpilot-server:test"
-MODEL = "tiny"
-TIMEOUT = 180  # decisions need a window of observation (20 s) on a shared 2-core machine
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory) -> str:
-    from tiny_llama import make_tiny_llama
-
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture
-def api(k8s, namespace, monkeypatch) -> Api:
-    k8s.run_kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    k8s.run_kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
-    monkeypatch.setenv("KUBECONFIG", k8s.kubeconfig)
-    for var in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    return Api(k8s, namespace)
-
-
-def server(tiny_path: str, tmp_path: Path, *flags: str) -> ServerProcess:
-    """A server, not yet started: its ports are known before its token is."""
-    args = ["--model", tiny_path, "--served-model-name", MODEL, *TINY_FLAGS, *flags]
-    return ServerProcess(args, tmp_path / f"serve-{free_port()}.log")
-
-
-def start(server: ServerProcess, api: Api, name: str) -> ServerProcess:
-    """Start it with the admin token the operator derives for the InferenceService `name`."""
-    server.args += ["--admin-token", api.derived_token(name)]
-    return server.start()
-
-
-@contextlib.contextmanager
-def operator(
-    api: Api,
-    servers: list[ServerProcess],
-    liveness: str | None = None,
-    urls: list[str] = (),
-    activator_service: str | None = None,
-) -> Iterator[None]:
-    config = OperatorConfig(
-        server_image=IMAGE,
-        reconcile_interval=5,
-        loop_interval=2,
-        metrics_urls=[s.url for s in servers] or list(urls),
-        admin_urls=[s.admin_url for s in servers],
-        admin_key=ADMIN_KEY,
-        liveness=liveness,
-        activator_service=activator_service,
-    )
-    args = ["run", "--standalone", "--verbose", "-n", api.ns]
-    with KopfRunner(args, registry=make_registry(config), timeout=60) as runner:
-        try:
-            yield
-        finally:  # while the operator runs, so that kopf releases its finalizer
-            for item in api.custom.list_namespaced_custom_object(GROUP, VERSION, api.ns, PLURAL)[
-                "items"
-            ]:
-                with contextlib.suppress(client.ApiException):
-                    api.delete(item["metadata"]["name"])
-            wait_for(
-                "InferenceServices deleted",
-                lambda: (
-                    not api.custom.list_namespaced_custom_object(GROUP, VERSION, api.ns, PLURAL)[
-                        "items"
-                    ]
-                ),
-                timeout=120,
-            )
-    assert runner.exception is None, runner.output
 
 
 @contextlib.contextmanager
@@ -175,16 +97,17 @@ def test_raise_and_scale_up_reach_the_servers_the_deployment_and_status(
                         "targetQueueLength": 1, "scaleUpStabilizationSeconds": 1},
     }  # fmt: skip
     try:
-        with operator(api, [srv], liveness):
+        with loop_operator(api, [srv], liveness):
             api.create("chat", spec)
             start(srv, api, "chat")
-            wait_for("Ready", lambda: api.ready("chat"), timeout=TIMEOUT)
+            wait_for("Ready", lambda: api.ready("chat"), timeout=LOOP_TIMEOUT, not_yet=not_found)
             assert replica_sets(api, "chat") == [1]
             with load(srv, workers=8, max_tokens=48):
                 tried = wait_for(
                     "a raise of max_num_seqs on trial",
                     lambda: next((h for h in history(api, "chat") if h["kind"] == "raise"), None),
-                    timeout=TIMEOUT,
+                    timeout=LOOP_TIMEOUT,
+                    not_yet=not_found,
                 )
                 raised = tried["maxNumSeqs"]
                 assert raised > 2 and tried["action"] == "try", tried  # one replica: no canary
@@ -192,9 +115,13 @@ def test_raise_and_scale_up_reach_the_servers_the_deployment_and_status(
                     "the raised value live on the server",
                     lambda: srv.metric(names.MAX_NUM_SEQS_METRIC) == raised or verdict(api, "chat"),
                     timeout=60,
+                    not_yet=not_found,
                 )
                 judged = wait_for(
-                    "the verdict on the raise", lambda: verdict(api, "chat"), timeout=TIMEOUT
+                    "the verdict on the raise",
+                    lambda: verdict(api, "chat"),
+                    timeout=LOOP_TIMEOUT,
+                    not_yet=not_found,
                 )
                 assert "goodput" in judged["reason"] or "attainment" in judged["reason"], judged
                 assert judged["before"] and judged["after"], judged
@@ -205,7 +132,8 @@ def test_raise_and_scale_up_reach_the_servers_the_deployment_and_status(
                         and d.spec.replicas > 1
                         and d
                     ),
-                    timeout=TIMEOUT,
+                    timeout=LOOP_TIMEOUT,
+                    not_yet=not_found,
                 )
             # Whatever the verdict, the server runs what status says is in force.
             kept = api.get("chat")["status"]["tuning"]["maxNumSeqs"]
@@ -214,13 +142,19 @@ def test_raise_and_scale_up_reach_the_servers_the_deployment_and_status(
                 "the settings in force live on the server",
                 lambda: srv.metric(names.MAX_NUM_SEQS_METRIC) == kept,
                 timeout=60,
+                not_yet=not_found,
             )
             autoscaling = api.get("chat")["status"]["autoscaling"]
             assert dep.spec.replicas == autoscaling["desiredReplicas"] <= 3
             config_map = api.core.read_namespaced_config_map("chat-engine", api.ns)
             assert int(config_map.data["max_num_seqs"]) == kept
             # A tuned max_num_seqs never rolls the pods: one ReplicaSet, scaled.
-            wait_for("the scaled pods Ready", lambda: api.ready("chat"), timeout=TIMEOUT)
+            wait_for(
+                "the scaled pods Ready",
+                lambda: api.ready("chat"),
+                timeout=LOOP_TIMEOUT,
+                not_yet=not_found,
+            )
             assert len(replica_sets(api, "chat")) == 1
             st = api.get("chat")["status"]
             assert st["engine"]["maxNumSeqs"] == int(config_map.data["max_num_seqs"])
@@ -229,6 +163,7 @@ def test_raise_and_scale_up_reach_the_servers_the_deployment_and_status(
             reasons = wait_for(
                 "Events for both decisions",
                 lambda: (r := events(api, "chat")) and {"TuningTrial", "ScaledUp"} <= set(r) and r,
+                not_yet=not_found,
             )
             assert reasons["ScaledUp"].startswith("replicas 1 -> "), reasons
             metrics = httpx.get(liveness.replace("/healthz", "/metrics"), timeout=5).text
@@ -249,10 +184,10 @@ def test_thrash_switches_to_fp8_and_rolls_the_deployment(api, tiny_path, tmp_pat
                    "allowFP8KVCache": True, "targetInterTokenLatencySeconds": 60},
     }  # fmt: skip
     try:
-        with operator(api, [srv]):
+        with loop_operator(api, [srv]):
             api.create("thrash", spec)
             start(srv, api, "thrash")
-            wait_for("Ready", lambda: api.ready("thrash"), timeout=TIMEOUT)
+            wait_for("Ready", lambda: api.ready("thrash"), timeout=LOOP_TIMEOUT, not_yet=not_found)
             with load(srv, workers=24, max_tokens=300):
                 wait_for(
                     "the fp8 decision in status",
@@ -260,7 +195,8 @@ def test_thrash_switches_to_fp8_and_rolls_the_deployment(api, tiny_path, tmp_pat
                         api.get("thrash").get("status", {}).get("tuning", {}).get("kvCacheDtype")
                         == "fp8"
                     ),
-                    timeout=TIMEOUT,
+                    timeout=LOOP_TIMEOUT,
+                    not_yet=not_found,
                 )
             st = wait_for(
                 "the rolled generation Ready with fp8",
@@ -269,7 +205,8 @@ def test_thrash_switches_to_fp8_and_rolls_the_deployment(api, tiny_path, tmp_pat
                     and s.get("engine", {}).get("kvCacheDtype") == "fp8"
                     and s
                 ),
-                timeout=TIMEOUT,
+                timeout=LOOP_TIMEOUT,
+                not_yet=not_found,
             )
             assert any(h["kind"] == "fp8" for h in st["tuning"]["history"]), st["tuning"]
             # The local server cannot restart with fp8, so the trial waits for a replica
@@ -280,7 +217,9 @@ def test_thrash_switches_to_fp8_and_rolls_the_deployment(api, tiny_path, tmp_pat
             assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
             assert dep.spec.strategy.rolling_update.max_unavailable == 0
             wait_for(
-                "the old ReplicaSet scaled to 0", lambda: replica_sets(api, "thrash") == [0, 1]
+                "the old ReplicaSet scaled to 0",
+                lambda: replica_sets(api, "thrash") == [0, 1],
+                not_yet=not_found,
             )
             assert "fp8" in events(api, "thrash")["TuningTrial"]
     finally:
@@ -296,12 +235,14 @@ def test_hpa_mode_emits_an_hpa_the_api_server_accepts(api, k8s):
                    "targetQueueLength": 2.5, "scaleDownStabilizationSeconds": 120}  # fmt: skip
     hpas = client.AutoscalingV2Api(k8s.api)
     unreachable = f"http://127.0.0.1:{free_port()}"  # nothing listens: scrapes fail fast
-    with operator(api, [], urls=[unreachable]):
+    with loop_operator(api, [], urls=[unreachable]):
         api.create("chat", {"autoscaling": autoscaling, "replicas": 2})
-        st = wait_for("Ready", lambda: api.ready("chat"), timeout=TIMEOUT)
+        st = wait_for("Ready", lambda: api.ready("chat"), timeout=LOOP_TIMEOUT, not_yet=not_found)
         assert st["readyReplicas"] == 2
         hpa = wait_for(
-            "the HPA", lambda: hpas.read_namespaced_horizontal_pod_autoscaler("chat", api.ns)
+            "the HPA",
+            lambda: hpas.read_namespaced_horizontal_pod_autoscaler("chat", api.ns),
+            not_yet=not_found,
         )
         assert (hpa.spec.scale_target_ref.kind, hpa.spec.scale_target_ref.name) == (
             "InferenceService",
@@ -318,6 +259,7 @@ def test_hpa_mode_emits_an_hpa_the_api_server_accepts(api, k8s):
         wait_for(
             "3 replicas from spec.replicas",
             lambda: api.apps.read_namespaced_deployment("chat", api.ns).spec.replicas == 3,
+            not_yet=not_found,
         )
         assert "autoscaling" not in api.get("chat").get("status", {})  # the loop stays out
 
@@ -325,6 +267,7 @@ def test_hpa_mode_emits_an_hpa_the_api_server_accepts(api, k8s):
         wait_for(
             "the HPA deleted",
             lambda: not hpas.list_namespaced_horizontal_pod_autoscaler(api.ns).items,
+            not_yet=not_found,
         )
 
         keda = {**autoscaling, "mode": "keda", "keda": {"serverAddress": "http://prom:9090"}}
@@ -332,6 +275,7 @@ def test_hpa_mode_emits_an_hpa_the_api_server_accepts(api, k8s):
         degraded = wait_for(
             "Degraded without KEDA",
             lambda: (c := api.condition("keda", "Degraded")).get("status") == "True" and c,
+            not_yet=not_found,
         )
         assert degraded["reason"] == "AutoscalerNotServed", degraded
         assert not api.apps.list_namespaced_deployment(

@@ -2,7 +2,7 @@
 switches to the activator (a selector no pod matches; an EndpointSlice of the operator's with the
 activator's addresses), a wake request brings a replica back, and once it is Ready the
 Service selects the replicas again and the activator's slice is gone. Then the activator's
-own Kubernetes adapter (activator_kube.KubeTargets) against the same API server.
+own Kubernetes adapter (activator/kube.py's KubeTargets) against the same API server.
 
 As in test_operator_loop_cluster.py, kwok's pods serve nothing, so the loop reads a real
 idle `batchpilot serve` on 127.0.0.1 (OperatorConfig.metrics_urls). The activator is
@@ -17,13 +17,18 @@ import time
 
 import pytest
 from kubernetes import client
-from test_operator_cluster import Api, wait_for
-from test_operator_loop_cluster import api, operator, server, start, tiny_path  # noqa: F401 (fixtures)
 
-from batchpilot.operator import resources
 from batchpilot.operator.activator.kube import KubeTargets
+from batchpilot.operator.children.meta import selector_labels
+from batchpilot.operator.children.service import (
+    SLICE_SERVICE_NAME,
+    controller_slices_selector,
+    service_selector,
+)
 from batchpilot.operator.loop.idle import WAKE_ANNOTATION
-from batchpilot.operator.loop.tuner_state import parse_timestamp, timestamp
+from batchpilot.operator.loop.timestamps import parse_timestamp, timestamp
+from tests.support.cluster import Api, loop_operator, not_found, operator, server, start
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -51,7 +56,7 @@ def activator_endpoints(cluster: Api) -> None:
         {
             "metadata": {
                 "name": f"{ACTIVATOR}-abcde",
-                "labels": {resources.SLICE_SERVICE_NAME: ACTIVATOR},
+                "labels": {SLICE_SERVICE_NAME: ACTIVATOR},
             },
             "addressType": "IPv4",
             "endpoints": [{"addresses": [ACTIVATOR_IP], "conditions": {"ready": True}}],
@@ -74,9 +79,7 @@ def slice_of(cluster: Api, name: str) -> client.V1EndpointSlice | None:
 def controller_slices(cluster: Api, name: str) -> list:
     return (
         client.DiscoveryV1Api(cluster.k8s.api)
-        .list_namespaced_endpoint_slice(
-            cluster.ns, label_selector=resources.controller_slices_selector(name)
-        )
+        .list_namespaced_endpoint_slice(cluster.ns, label_selector=controller_slices_selector(name))
         .items
     )
 
@@ -89,44 +92,56 @@ def selector(cluster: Api, name: str) -> dict | None:
     return cluster.core.read_namespaced_service(name, cluster.ns).spec.selector
 
 
-def test_idle_to_zero_through_the_activator_and_back(api, tiny_path, tmp_path):  # noqa: F811
+def test_idle_to_zero_through_the_activator_and_back(api, tiny_path, tmp_path):
     activator_endpoints(api)
     srv = server(tiny_path, tmp_path)
     try:
-        with operator(api, [srv], activator_service=f"{api.ns}/{ACTIVATOR}"):
+        with loop_operator(api, [srv], activator_service=f"{api.ns}/{ACTIVATOR}"):
             api.create("chat", SPEC)
             start(srv, api, "chat")
-            wait_for("Ready with a replica", lambda: api.ready("chat"), timeout=180)
-            assert selector(api, "chat") == resources.selector_labels("chat")
+            wait_for(
+                "Ready with a replica", lambda: api.ready("chat"), timeout=180, not_yet=not_found
+            )
+            assert selector(api, "chat") == selector_labels("chat")
             assert slice_of(api, "chat") is None
 
             # Idle (the server gets no request): to zero after scaleToZeroAfterSeconds.
             started = time.time()
-            wait_for("scaled to zero", lambda: replicas(api, "chat") == 0, timeout=300)
+            wait_for(
+                "scaled to zero", lambda: replicas(api, "chat") == 0, timeout=300, not_yet=not_found
+            )
             autoscaling = api.get("chat")["status"]["autoscaling"]
             idle = parse_timestamp(autoscaling["scaledToZeroTime"]) - parse_timestamp(
                 autoscaling["lastActiveTime"]
             )
             assert idle >= 60 and time.time() - started >= 55, autoscaling
-            event = wait_for("the Event", lambda: api.events("chat").get("ScaledToZero"))
+            event = wait_for(
+                "the Event", lambda: api.events("chat").get("ScaledToZero"), not_yet=not_found
+            )
             assert "idle for" in event, event
             # The Service now routes to the activator.
-            routed = resources.service_selector("chat", to_activator=True)
-            wait_for("the Service selecting no pod", lambda: selector(api, "chat") == routed)
+            routed = service_selector("chat", to_activator=True)
+            wait_for(
+                "the Service selecting no pod",
+                lambda: selector(api, "chat") == routed,
+                not_yet=not_found,
+            )
             # The EndpointSlice controller still syncs the Service: its slices hold no pod
             # (a stale one would take part of the traffic at zero).
             wait_for(
                 "the EndpointSlice controller's slices empty",
                 lambda: all(not s.endpoints for s in controller_slices(api, "chat")),
+                not_yet=not_found,
             )
             eps = slice_of(api, "chat")
             assert [e.addresses for e in eps.endpoints] == [[ACTIVATOR_IP]]
             assert [(p.name, p.port) for p in eps.ports] == [("http", ACTIVATOR_PORT)]
-            assert eps.metadata.labels[resources.SLICE_SERVICE_NAME] == "chat"
+            assert eps.metadata.labels[SLICE_SERVICE_NAME] == "chat"
             assert eps.metadata.owner_references[0].kind == "InferenceService"
             ready = wait_for(
                 "Ready (ScaledToZero)",
                 lambda: (c := api.condition("chat", "Ready")).get("reason") == "ScaledToZero" and c,
+                not_yet=not_found,
             )
             assert ready["status"] == "True", ready
 
@@ -137,19 +152,32 @@ def test_idle_to_zero_through_the_activator_and_back(api, tiny_path, tmp_path): 
                 "batchpilot.dev", "v1alpha1", api.ns, "inferenceservices", "chat",
                 {"metadata": {"annotations": {WAKE_ANNOTATION: timestamp(woken)}}},
             )  # fmt: skip
-            wait_for("one replica again", lambda: replicas(api, "chat") == 1, timeout=60)
+            wait_for(
+                "one replica again",
+                lambda: replicas(api, "chat") == 1,
+                timeout=60,
+                not_yet=not_found,
+            )
             assert "WokenFromZero" in api.events("chat")
             wait_for(
                 "the Service selecting the replicas again",
-                lambda: selector(api, "chat") == resources.selector_labels("chat"),
+                lambda: selector(api, "chat") == selector_labels("chat"),
                 timeout=120,
+                not_yet=not_found,
             )
-            wait_for("the activator's slice gone", lambda: slice_of(api, "chat") is None)
+            wait_for(
+                "the activator's slice gone",
+                lambda: slice_of(api, "chat") is None,
+                not_yet=not_found,
+            )
             wait_for(
                 "the controller's slices holding the replica",
                 lambda: any(s.endpoints for s in controller_slices(api, "chat")),
+                not_yet=not_found,
             )
-            wait_for("Ready with a replica", lambda: api.ready("chat"), timeout=120)
+            wait_for(
+                "Ready with a replica", lambda: api.ready("chat"), timeout=120, not_yet=not_found
+            )
             assert (
                 "scaledToZeroTime" not in api.get("chat")["status"]["autoscaling"]
             )  # merge-patched away
@@ -157,15 +185,14 @@ def test_idle_to_zero_through_the_activator_and_back(api, tiny_path, tmp_path): 
         srv.stop()
 
 
-def test_the_activators_kubernetes_adapter(api, k8s):  # noqa: F811
+def test_the_activators_kubernetes_adapter(api, k8s):
     """KubeTargets as the activator runs it: a bare name and a ClusterIP resolve to the
     service, endpoints are its Ready pods on the serving port, and wake annotates it."""
-    from test_operator_cluster import operator as plain_operator
 
     name = f"adapter-{api.ns[-6:]}"  # the cluster is shared: a name no other test uses
-    with plain_operator(api):
+    with operator(api):
         api.create(name, {"replicas": 1})
-        wait_for("Ready", lambda: api.ready(name), timeout=180)
+        wait_for("Ready", lambda: api.ready(name), timeout=180, not_yet=not_found)
         targets = KubeTargets(client.ApiClient(k8s.api.configuration))
         cluster_ip = api.core.read_namespaced_service(name, api.ns).spec.cluster_ip
 

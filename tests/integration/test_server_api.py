@@ -10,21 +10,15 @@ import threading
 import httpx
 import openai
 import pytest
-from test_server_harness import TINY_FLAGS, ServerProcess, wait_until
 
 from batchpilot import names
+from tests.support.servers import TINY_FLAGS, ServerProcess
+from tests.support.wait import wait_for
 
 API_KEY = "sk-test-api-key-7f3a"
 ADMIN_TOKEN = "admin-token-91c2"
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 512
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from tiny_llama import make_tiny_llama
-
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +232,9 @@ def assert_openai_error(r: httpx.Response, status: int, param=None) -> dict:
 def test_bad_input_gets_clear_errors_and_running_requests_are_unaffected(server):
     results: list = []
     runner = long_stream(server, 200, results)
-    wait_until(lambda: server.metric(names.NUM_REQUESTS_RUNNING) >= 1)
+    wait_for(
+        "a running request", lambda: server.metric(names.NUM_REQUESTS_RUNNING) >= 1, interval=0.05
+    )
     for name, (body, param) in BAD_BODIES.items():
         error = assert_openai_error(post(server, "/v1/completions", body), 400, param)
         assert name and error["message"]
@@ -308,7 +304,9 @@ def test_admin_api_auth_and_live_max_num_seqs(server):
     # Lowering below the running count lets the running sequences finish.
     results: list = []
     runners = [long_stream(server, 120, results, f"stream {i}") for i in range(4)]
-    wait_until(lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 4)
+    wait_for(
+        "4 running requests", lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 4, interval=0.05
+    )
     patched = httpx.patch(url, json={"max_num_seqs": 2}, headers=admin)
     assert patched.status_code == 200 and patched.json()["max_num_seqs"] == 2
     assert server.metric(names.MAX_NUM_SEQS_METRIC, model_name=MODEL) == 2
@@ -395,7 +393,7 @@ def idle_and_freed(server) -> bool:
 
 @pytest.mark.parametrize("streamed", [True, False], ids=["streaming", "non-streaming"])
 def test_client_disconnect_aborts_and_frees_blocks(server, streamed):
-    wait_until(lambda: idle_and_freed(server))
+    wait_for("the server idle, its KV blocks freed", lambda: idle_and_freed(server), interval=0.05)
     generated_before = server.metric(names.GENERATION_TOKENS)
     body = {"prompt": "never mind", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
             "stream": streamed}  # fmt: skip
@@ -410,7 +408,16 @@ def test_client_disconnect_aborts_and_frees_blocks(server, streamed):
             # generation, which a quiet machine finishes in well under a second.
             with socket.create_connection(("127.0.0.1", server.port)) as sock:
                 sock.sendall(raw_post("/v1/completions", body))
-                wait_until(lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 1, interval=0.005)
-    wait_until(lambda: idle_and_freed(server), timeout=10)
+                wait_for(
+                    "1 running request",
+                    lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 1,
+                    interval=0.005,
+                )
+    wait_for(
+        "the server idle, its KV blocks freed",
+        lambda: idle_and_freed(server),
+        timeout=10,
+        interval=0.05,
+    )
     generated = server.metric(names.GENERATION_TOKENS) - generated_before
     assert generated < 400, "the request ran to completion instead of being aborted"

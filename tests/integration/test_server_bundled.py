@@ -2,9 +2,9 @@
 streamed and not, greedy text identical to offline LLM.generate."""
 
 import pytest
-from test_server_harness import ServerProcess
 
 from batchpilot import names
+from tests.support.servers import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,10 @@ import threading
 
 import httpx
 import pytest
-from test_server_harness import TINY_FLAGS, ServerProcess, wait_until
 
 from batchpilot import names
+from tests.support.servers import TINY_FLAGS, ServerProcess
+from tests.support.wait import wait_for
 
 API_KEY = "sk-drain-key-5521"
 ADMIN_TOKEN = "drain-admin-7730"
@@ -17,7 +18,7 @@ ADMIN_TOKEN = "drain-admin-7730"
 
 @pytest.mark.parametrize("engine", [(), ("--engine-process",)], ids=["thread", "process"])
 def test_sigterm_drains_in_flight_requests_and_exits_zero(tmp_path_factory, engine):
-    from tiny_llama import make_tiny_llama
+    from tests.support.models import make_tiny_llama
 
     tiny = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
     args = ["--model", tiny, "--served-model-name", "tiny", *TINY_FLAGS, "--api-key", API_KEY,
@@ -44,10 +45,19 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(tmp_path_factory, engi
         threads = [threading.Thread(target=request, args=(i % 2 == 0, i)) for i in range(6)]
         for t in threads:
             t.start()
-        wait_until(lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 6)
+        wait_for(
+            "6 running requests",
+            lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 6,
+            interval=0.05,
+        )
 
         server.process.send_signal(signal.SIGTERM)
-        wait_until(lambda: httpx.get(f"{server.url}/ready").status_code == 503, timeout=10)
+        wait_for(
+            "/ready to answer 503",
+            lambda: httpx.get(f"{server.url}/ready").status_code == 503,
+            timeout=10,
+            interval=0.05,
+        )
         late = httpx.post(f"{server.url}/v1/completions", timeout=120,
                           json={"model": "tiny", "prompt": "late", "max_tokens": 4},
                           headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip

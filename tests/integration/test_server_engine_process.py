@@ -10,20 +10,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server_harness import TINY_FLAGS, ServerProcess, wait_until
 
 from batchpilot import names
+from tests.support.servers import TINY_FLAGS, ServerProcess
+from tests.support.wait import wait_for
 
 ADMIN_TOKEN = "engine-process-admin-4410"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 PROMPTS = ["hello there", "The capital of", "1 2 3 4", "a much longer prompt " * 20]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    from tiny_llama import make_tiny_llama
-
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
 def start(tiny: str, log: Path, *extra: str) -> ServerProcess:
@@ -33,11 +27,11 @@ def start(tiny: str, log: Path, *extra: str) -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny, tmp_path_factory):
+def servers(tiny_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    thread = start(tiny, logs / "thread.log")
+    thread = start(tiny_path, logs / "thread.log")
     try:
-        process = start(tiny, logs / "process.log", "--engine-process")
+        process = start(tiny_path, logs / "process.log", "--engine-process")
     except BaseException:
         thread.stop()
         raise
@@ -101,7 +95,12 @@ def test_admin_config_and_metrics_cross_the_pipe(servers):
         for t in threads:
             t.start()
         # The engine process schedules with the new limit; the metrics see its queue.
-        wait_until(lambda: server.metric(names.NUM_REQUESTS_WAITING) == 3, timeout=120)
+        wait_for(
+            "3 waiting requests",
+            lambda: server.metric(names.NUM_REQUESTS_WAITING) == 3,
+            timeout=120,
+            interval=0.05,
+        )
         assert server.metric(names.NUM_REQUESTS_RUNNING) == 2
         for t in threads:
             t.join(300)
@@ -119,15 +118,25 @@ def test_a_client_that_goes_away_is_aborted_in_the_engine_process(servers):
     next(iter(stream))
     assert server.metric(names.NUM_REQUESTS_RUNNING) == 1
     stream.close()
-    wait_until(lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 0, timeout=60)
+    wait_for(
+        "no running request",
+        lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 0,
+        timeout=60,
+        interval=0.05,
+    )
 
 
-def test_a_dead_engine_process_fails_health_and_requests(tiny, tmp_path):
-    server = start(tiny, tmp_path / "serve.log", "--engine-process")
+def test_a_dead_engine_process_fails_health_and_requests(tiny_path, tmp_path):
+    server = start(tiny_path, tmp_path / "serve.log", "--engine-process")
     try:
         (engine_pid,) = engine_processes(server.process.pid)
         os.kill(engine_pid, signal.SIGKILL)
-        wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 503, timeout=60)
+        wait_for(
+            "/health to answer 503",
+            lambda: httpx.get(f"{server.url}/health").status_code == 503,
+            timeout=60,
+            interval=0.05,
+        )
         r = server.http().post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
         assert r.status_code == 500 and "engine failed" in r.json()["error"]["message"]
     finally:

@@ -4,22 +4,13 @@ before the engine's next step."""
 
 import asyncio
 
-import pytest
-
-from batchpilot.server.async_engine import AsyncEngine
 from batchpilot.server.config import EngineConfig
-from batchpilot.server.sampling_params import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from tiny_llama import make_tiny_llama
-
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
+from batchpilot.server.engine.async_engine import AsyncEngine
+from batchpilot.server.sampling.sampling_params import SamplingParams
 
 
 def make_async_engine(tiny_path, steps: list) -> AsyncEngine:
-    from batchpilot.server.engine import LLMEngine
+    from batchpilot.server.engine.llm_engine import LLMEngine
 
     config = EngineConfig(model=tiny_path, dtype="float32", max_model_len=512,
                           kv_cache_memory_bytes=16 << 20, swap_space_bytes=1 << 20)  # fmt: skip

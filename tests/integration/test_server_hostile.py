@@ -10,7 +10,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server_harness import TINY_FLAGS, ServerProcess, wait_until
 
 from batchpilot import names
 from batchpilot.server.api.protocol import (
@@ -18,6 +17,8 @@ from batchpilot.server.api.protocol import (
     MAX_SEQS_PER_REQUEST,
     MAX_STOP_STRING_CHARS,
 )
+from tests.support.servers import TINY_FLAGS, ServerProcess
+from tests.support.wait import wait_for
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 2048  # room for a request that runs long enough to fill the queue behind it
@@ -29,7 +30,7 @@ TOO_MANY_CHARS = MAX_MODEL_LEN * LONGEST_TOKEN_CHARS + 1
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tiny_llama import make_tiny_llama
+    from tests.support.models import make_tiny_llama
 
     tiny = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
     # One running sequence and a queue of 4, so the queue bound can be filled on purpose.
@@ -124,10 +125,20 @@ def test_the_queue_bound_counts_a_requests_sequences_and_refuses_it_whole(server
 
     running = threading.Thread(target=generate, kwargs={"max_tokens": MAX_MODEL_LEN - 8})
     running.start()
-    wait_until(lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 1, timeout=120)
+    wait_for(
+        "1 running request",
+        lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 1,
+        timeout=120,
+        interval=0.05,
+    )
     queued = threading.Thread(target=generate, kwargs={"max_tokens": 2, "n": 3})
     queued.start()
-    wait_until(lambda: server.metric(names.NUM_REQUESTS_WAITING) == 3, timeout=120)
+    wait_for(
+        "3 waiting requests",
+        lambda: server.metric(names.NUM_REQUESTS_WAITING) == 3,
+        timeout=120,
+        interval=0.05,
+    )
 
     with server.http() as http:
         refused = http.post(CMPL, json=completion(n=2))

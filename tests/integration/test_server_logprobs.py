@@ -7,16 +7,10 @@ import json
 import math
 
 import pytest
-from test_server_harness import TINY_FLAGS, ServerProcess
+
+from tests.support.servers import TINY_FLAGS, ServerProcess
 
 MODEL = "tiny-llama"
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from tiny_llama import make_tiny_llama
-
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,12 @@ import threading
 
 import httpx
 import pytest
-from lora_adapters import make_adapter, peft_greedy
 from prometheus_client.parser import text_string_to_metric_families
-from test_server_harness import TINY_FLAGS, ServerProcess, wait_until
 
-from batchpilot.server.api.cli import LoRAModule, parse_lora_module, parse_lora_module_list
+from batchpilot.server.api.lora_modules import LoRAModule, parse_lora_module, parse_lora_module_list
+from tests.support.models import make_adapter, peft_greedy
+from tests.support.servers import TINY_FLAGS, ServerProcess
+from tests.support.wait import wait_for
 
 MODEL = "tiny-llama"
 ADMIN_TOKEN = "admin-token-lora-5d1e"
@@ -25,7 +26,7 @@ LORA_INFO = "vllm:lora_requests_info"
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> dict[str, str]:
-    from tiny_llama import make_tiny_llama
+    from tests.support.models import make_tiny_llama
 
     root = tmp_path_factory.mktemp("lora")
     base = make_tiny_llama(root / "base")
@@ -154,7 +155,11 @@ def test_load_and_unload_over_the_admin_port(server, paths, expected):
     # In use: the unload is refused until its requests are done.
     stream = threading.Thread(target=complete, args=(server, "late", 400))
     stream.start()
-    wait_until(lambda: lora_info(server)["running_lora_adapters"] == "late")
+    wait_for(
+        "the adapter late running",
+        lambda: lora_info(server)["running_lora_adapters"] == "late",
+        interval=0.05,
+    )
     assert lora_info(server)["max_lora"] == "2"
     assert_error(admin_post(server, "unload_lora_adapter", {"lora_name": "late"}), 400)
     stream.join()

@@ -6,14 +6,15 @@ import threading
 import httpx
 import openai
 import pytest
-from test_server_harness import TINY_FLAGS, ServerProcess, wait_until
 
 from batchpilot import names
+from tests.support.servers import TINY_FLAGS, ServerProcess
+from tests.support.wait import wait_for
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tiny_llama import make_tiny_llama
+    from tests.support.models import make_tiny_llama
 
     tiny = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
     args = ["--model", tiny, "--served-model-name", "tiny", *TINY_FLAGS,
@@ -45,9 +46,13 @@ def long_request(server, results: list) -> threading.Thread:
 def test_full_queue_answers_429_with_retry_after_and_loses_nothing(server):
     results: list = []
     running = long_request(server, results)
-    wait_until(lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 1)
+    wait_for(
+        "1 running request", lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 1, interval=0.05
+    )
     queued = long_request(server, results)
-    wait_until(lambda: server.metric(names.NUM_REQUESTS_WAITING) == 1)
+    wait_for(
+        "1 waiting request", lambda: server.metric(names.NUM_REQUESTS_WAITING) == 1, interval=0.05
+    )
 
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "me too", "max_tokens": 2})
     assert r.status_code == 429

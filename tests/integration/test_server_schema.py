@@ -8,7 +8,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from test_server_harness import ServerProcess
+
+from tests.support.servers import ServerProcess
 
 # Per operation and mode: requests valid by the schema and, for the operations with a body,
 # requests that break it. So 200 each for completions, chat, /tokenize and /detokenize
@@ -22,7 +23,7 @@ FLAGS = ("--dtype", "float32", "--max-model-len", "64", "--kv-cache-memory", "16
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tiny_llama import make_tiny_llama
+    from tests.support.models import make_tiny_llama
 
     tiny = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
     proc = ServerProcess(["--model", tiny, *FLAGS], tmp_path_factory.mktemp("s") / "serve.log")

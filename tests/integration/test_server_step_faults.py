@@ -12,9 +12,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from test_server_harness import TINY_FLAGS, ServerProcess, wait_until
 
 from batchpilot import names
+from tests.support.servers import TINY_FLAGS, ServerProcess
+from tests.support.wait import wait_for
 
 HOOKS = Path(__file__).resolve().parent / "fault_hooks"
 POISON_SEED, POISON_TOKEN, LATCH_TOKEN = 424242, 4242, 4243  # fault_hooks/sitecustomize.py
@@ -24,7 +25,7 @@ LONG = 1000  # tokens: the batch-mates run long enough to share steps with the p
 
 
 def start_server(tmp_path_factory) -> ServerProcess:
-    from tiny_llama import make_tiny_llama
+    from tests.support.models import make_tiny_llama
 
     tiny = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
     args = ["--model", tiny, "--served-model-name", MODEL, *TINY_FLAGS, "--max-num-seqs", "8",
@@ -70,7 +71,12 @@ def test_a_sampling_fault_fails_only_its_request_and_its_batch_mates_finish(serv
     prompts = ["one two three", "the weather today", "once upon a time"]
     finished: dict[str, tuple[str, float]] = {}
     mates = start_all(server, prompts, finished)
-    wait_until(lambda: server.metric(names.NUM_REQUESTS_RUNNING) == len(prompts), timeout=120)
+    wait_for(
+        "len(prompts) running requests",
+        lambda: server.metric(names.NUM_REQUESTS_RUNNING) == len(prompts),
+        timeout=120,
+        interval=0.05,
+    )
 
     with pytest.raises(openai.InternalServerError) as failed:
         greedy(server, "poisoned", seed=POISON_SEED)
@@ -121,7 +127,11 @@ def test_repeated_consecutive_step_failures_end_the_engine_and_health_turns_503(
         # The second failure in a row fails its request; the third ends the engine, and
         # its request with it (500 or 503, depending on where the end finds it).
         assert statuses[0] == 500 and statuses[1] in (500, 503)
-        wait_until(lambda: httpx.get(f"{server.url}/health", timeout=30).status_code == 503)
+        wait_for(
+            "/health to answer 503",
+            lambda: httpx.get(f"{server.url}/health", timeout=30).status_code == 503,
+            interval=0.05,
+        )
         body = httpx.get(f"{server.url}/health", timeout=30).json()
         assert body["error"]["code"] == 503
     finally:

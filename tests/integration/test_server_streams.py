@@ -6,10 +6,9 @@ reads, so the server's writes really block."""
 import json
 import socket
 
-import pytest
-from test_server_harness import ServerProcess, wait_until
-
 from batchpilot import names
+from tests.support.servers import ServerProcess
+from tests.support.wait import wait_for
 
 MODEL = "tiny"
 MAX_TOKENS = 2000
@@ -21,13 +20,6 @@ FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--kv-cache-memory", "
 # asked for, kept whatever happens), +1084 MiB with every unread output held (each one its
 # own copy of the text and token ids so far: quadratic in the output length).
 RSS_GROWTH_BOUND = 256 << 20
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from tiny_llama import make_tiny_llama
-
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
 def serve(tiny_path, tmp_path, stall_timeout: float) -> ServerProcess:
@@ -76,7 +68,12 @@ def test_unread_streams_keep_the_servers_memory_bounded(tiny_path, tmp_path):
         sockets = [unread_stream(server) for _ in range(4)]
         # The engine finishes every sequence though nobody reads: outputs coalesce.
         target = before_tokens + 4 * N * MAX_TOKENS
-        wait_until(lambda: generated(server) >= target, timeout=900, interval=0.5)
+        wait_for(
+            "the target count of generated tokens",
+            lambda: generated(server) >= target,
+            timeout=900,
+            interval=0.5,
+        )
         growth = rss_bytes(server) - before_rss
         assert growth < RSS_GROWTH_BOUND, f"RSS grew {growth >> 20} MiB"
         for sock in sockets:
@@ -91,8 +88,13 @@ def test_a_client_that_reads_nothing_is_aborted_after_the_stall_timeout(tiny_pat
     try:
         before = generated(server)
         sock = unread_stream(server)
-        wait_until(lambda: server.metric(names.NUM_REQUESTS_RUNNING) == N, timeout=120)
-        wait_until(lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 0, timeout=600,
+        wait_for(
+            "all N streams running",
+            lambda: server.metric(names.NUM_REQUESTS_RUNNING) == N,
+            timeout=120,
+            interval=0.05,
+        )
+        wait_for("no running request", lambda: server.metric(names.NUM_REQUESTS_RUNNING) == 0, timeout=600,
                    interval=0.5)  # fmt: skip
         # Aborted, not finished: its sequences stopped short of their max_tokens.
         assert generated(server) - before < N * MAX_TOKENS

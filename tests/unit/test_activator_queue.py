@@ -17,21 +17,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from batchpilot.operator.activator.proxy import Activator, parse_host
 from batchpilot.operator.activator.hold_queue import HoldQueue, QueueFull
+from batchpilot.operator.activator.proxy import Activator, parse_host
+from tests.support.wait import eventually
 
 HOST = "chat.team-a"
 TARGET = ("team-a", "chat")
 LABELS = {"namespace": "team-a", "service": "chat"}
-TIMEOUT = 30.0  # for conditions: the machine is shared
-
-
-async def eventually(predicate, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        await asyncio.sleep(0.02)
+TIMEOUT = 30.0  # for requests: the machine is shared
 
 
 @contextlib.asynccontextmanager
@@ -222,7 +215,7 @@ def test_a_full_queue_answers_429_with_retry_after():
         kube = Kube()
         async with activator(kube, max_held_per_service=2) as (act, session):
             waiting = [asyncio.create_task(get_json(session)) for _ in range(2)]
-            await eventually(lambda: held(act) == 2)
+            await eventually("2 held requests", lambda: held(act) == 2)
             status, headers, body = await get_json(session)
             assert status == 429
             assert int(headers["Retry-After"]) > 0
@@ -243,7 +236,7 @@ def test_held_bodies_are_bounded_in_bytes_over_every_service():
         kube = Kube()
         async with activator(kube, max_held_bytes=1000) as (act, session):
             first = asyncio.create_task(session.post("/v1/completions", data=b"x" * 600))
-            await eventually(lambda: held(act) == 1)
+            await eventually("1 held request", lambda: held(act) == 1)
             # 600 held: another 600 would pass the bound, whatever the service.
             async with session.post("/v1/completions", data=b"y" * 600) as resp:
                 assert resp.status == 429 and int(resp.headers["Retry-After"]) > 0
@@ -276,12 +269,16 @@ def test_a_client_that_leaves_while_held_frees_its_place():
         kube = Kube()
         async with activator(kube, max_held_per_service=1) as (act, session):
             leaver = asyncio.create_task(get_json(session))
-            await eventually(lambda: held(act) == 1)
+            await eventually("1 held request", lambda: held(act) == 1)
             leaver.cancel()  # closes its connection
-            await eventually(lambda: held(act) == 0)
-            await eventually(lambda: count(act, "disconnected") == 1)
+            await eventually("no held request", lambda: held(act) == 0)
+            await eventually(
+                "1 request counted as disconnected", lambda: count(act, "disconnected") == 1
+            )
             stayer = asyncio.create_task(get_json(session, "/v1/models?x=1"))
-            await eventually(lambda: held(act) == 1)  # the place is free: held, not 429
+            await eventually(
+                "1 held request", lambda: held(act) == 1
+            )  # the place is free: held, not 429
             async with replica(echo_replica()) as url:
                 kube.backends = [url]
                 status, _, body = await asyncio.wait_for(stayer, TIMEOUT)
@@ -296,7 +293,7 @@ def test_wake_is_asked_again_while_requests_stay_held():
         kube = Kube()
         async with activator(kube, wake_interval=0.1) as (_, session):
             task = asyncio.create_task(get_json(session))
-            await eventually(lambda: len(kube.wakes) >= 3)
+            await eventually("3 wake calls", lambda: len(kube.wakes) >= 3)
             async with replica(echo_replica()) as url:
                 kube.backends = [url]
                 assert (await asyncio.wait_for(task, TIMEOUT))[0] == 201

@@ -10,10 +10,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from batchpilot import names
 from batchpilot.server.api.metrics import ServerMetrics
 from batchpilot.server.api.stats_log import is_idle, stats_line
-from batchpilot.server.engine_core import Turn
-from batchpilot.server.outputs import CompletionOutput, RequestOutput
-from batchpilot.server.sequence import Timings
-from batchpilot.server.stats import EngineStats
+from batchpilot.server.engine.core import Turn
+from batchpilot.server.engine.sequence import Timings
+from batchpilot.server.engine.stats import EngineStats
+from batchpilot.server.output.outputs import CompletionOutput, RequestOutput
 
 STATS = EngineStats(
     num_running=3, num_waiting=2, num_swapped=1, num_kv_blocks=100, num_free_kv_blocks=75,

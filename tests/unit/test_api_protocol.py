@@ -183,7 +183,7 @@ def test_a_huge_prompt_batch_is_refused_before_its_items_are_validated():
     ],
 )
 def test_sampling_params_refuse_non_finite_floats(fields):
-    from batchpilot.server.sampling_params import SamplingParams
+    from batchpilot.server.sampling.sampling_params import SamplingParams
 
     with pytest.raises(ValueError, match="finite"):
         SamplingParams(**fields)

@@ -1,5 +1,5 @@
 """The CPU engine's thread count: cgroup v1 and v2 quotas read from fixture trees, the cap by
-affinity, and the precedence of the flag and the environment (server/cpu_budget.py)."""
+affinity, and the precedence of the flag and the environment (server/platform/cpu_budget.py)."""
 
 import argparse
 import logging
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from batchpilot import names
-from batchpilot.server import cpu_budget as cb
 from batchpilot.server.config import ConfigError, EngineConfig, add_engine_args, config_from_args
+from batchpilot.server.platform import cpu_budget as cb
 
 # /proc/self/cgroup inside a container with a cgroup namespace (v2), and on a v1 host.
 V2_NS = "0::/\n"

@@ -14,7 +14,7 @@ import sys
 # the faults of 20 steps after it.
 STEPS = """
 import ctypes, resource, torch
-from batchpilot.server.cpu_malloc import M_MMAP_THRESHOLD, keep_freed_memory
+from batchpilot.server.platform.cpu_malloc import M_MMAP_THRESHOLD, keep_freed_memory
 logits = torch.randn(40, 49152)
 def faults():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -10,12 +10,12 @@ import dataclasses
 
 import pytest
 
-from batchpilot.operator.crd import parse_spec
+from batchpilot.operator.crd.spec import parse_spec
 from batchpilot.operator.loop.idle import IdleState, busy, decide_idle
+from batchpilot.operator.loop.timestamps import parse_timestamp
+from batchpilot.operator.loop.tuner_state import EngineSettings
 from batchpilot.operator.loop.turn import ClosedLoop
-from batchpilot.operator.loop.tuner_state import EngineSettings, parse_timestamp
-from tests.unit.test_loop_closed_loop import Replicas
-from tests.unit.test_loop_laws import window
+from tests.support.loop import Replicas, window
 
 ZERO = parse_spec(
     {"autoscaling": {"enabled": True, "minReplicas": 0, "scaleToZeroAfterSeconds": 120}}

@@ -1,4 +1,4 @@
-"""loop.ClosedLoop.run_once: the status contract with the kopf side, statelessness across
+"""turn.ClosedLoop.run_once: the status contract with the kopf side, statelessness across
 operator restarts, a canary trial and its rollout, repair of stray replicas, refused
 applies, and a blind loop deciding nothing."""
 
@@ -7,13 +7,12 @@ from __future__ import annotations
 import asyncio
 
 from batchpilot import names
-from batchpilot.operator.crd import parse_spec
-from batchpilot.operator.loop.turn import ClosedLoop
-from batchpilot.operator.loop.observe import Scrape
+from batchpilot.operator.crd.spec import parse_spec
 from batchpilot.operator.loop.state import LoopState
-from batchpilot.operator.loop.tune import TuneLimits
+from batchpilot.operator.loop.tune_rules import TuneLimits
 from batchpilot.operator.loop.tuner_state import EngineSettings
-from benchmarks.loopsim import EngineModel, ReplicaConfig, ReplicaSim, Request
+from batchpilot.operator.loop.turn import ClosedLoop
+from tests.support.loop import Replicas
 
 SPEC = parse_spec(
     {
@@ -23,61 +22,6 @@ SPEC = parse_spec(
         "slo": {"timeToFirstTokenSeconds": 600, "interTokenLatencySeconds": 1.0},
     }
 )  # fmt: skip
-
-
-class Replicas:
-    """Simulated replicas behind the two interfaces the loop talks to: a metrics source
-    and the admin client's set_live (which records what it was asked; a URL in
-    ``refusing`` answers 400)."""
-
-    def __init__(self, count: int, max_num_seqs: int = 4):
-        config = ReplicaConfig(max_num_seqs=max_num_seqs)
-        self.engines = {
-            f"http://r{i}": ReplicaSim(f"http://r{i}", config, EngineModel(), 0.0)
-            for i in range(count)
-        }
-        self.down: set[str] = set()
-        self.patches: list[tuple[str, int]] = []
-        self.refusing: set[str] = set()
-
-    def load(self, requests: int, now: float) -> None:
-        for engine in self.engines.values():
-            for _ in range(requests):
-                engine.submit(Request(now, 64, 512))
-
-    def advance(self, t: float) -> None:
-        for engine in self.engines.values():
-            engine.advance_to(t)
-
-    def top_up(self, in_system: int, now: float) -> None:
-        """Clients that keep ``in_system`` requests on each replica (a steady queue)."""
-        for engine in self.engines.values():
-            for _ in range(in_system - len(engine.running) - len(engine.waiting)):
-                engine.submit(Request(now, 64, 512))
-
-    async def scrape(self, namespace: str, name: str) -> list[Scrape]:
-        # Each replica's admin API listens on its own port, apart from /metrics.
-        return [
-            Scrape(url, error="refused", admin_url=f"{url}:8001")
-            if url in self.down
-            else Scrape(url, text=e.metrics_text(), admin_url=f"{url}:8001")
-            for url, e in self.engines.items()
-        ]
-
-    async def set_live(self, urls, token: str, changes: dict) -> dict[str, str | None]:
-        assert token == "secret" and set(changes) == {names.MAX_NUM_SEQS.name}
-        value = changes[names.MAX_NUM_SEQS.name]
-        answers = {}
-        for admin_url in urls:
-            url = admin_url.removesuffix(":8001")
-            assert admin_url == f"{url}:8001", "the admin API is called on its own port"
-            self.patches.append((url, value))
-            if url in self.refusing:
-                answers[admin_url] = "HTTP 400: max_num_seqs is more than this replica can hold"
-                continue
-            self.engines[url].max_num_seqs = value
-            answers[admin_url] = None
-        return answers
 
 
 # Short trials: a canary is judged on 30 s and 100 ITL observations.

@@ -13,62 +13,26 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchpilot.operator.crd.autoscaling import AutoscalingSpec
+from batchpilot.operator.crd.spec import parse_spec
 from batchpilot.operator.loop.autoscale import (
     Recommendation,
     ScaleDecision,
     ScaleHistory,
     decide_replicas,
 )
-from batchpilot.operator.crd import AutoscalingSpec, parse_spec
+from batchpilot.operator.loop.observe import RoundResult, Window, merge_windows
+from batchpilot.operator.loop.state import TunerState
+from batchpilot.operator.loop.tune import View, decide_tuning
+from batchpilot.operator.loop.tune_rules import thrash_per_1k
+from batchpilot.operator.loop.tuner_state import EngineSettings, Experiment, TuneDecision
 from batchpilot.operator.loop.turn import (
     EMERGENCY_QUEUE_FACTOR,
     ENGINE_CHANGE_FREEZE_SECONDS,
     arbitrate,
     blindness,
 )
-from batchpilot.operator.loop.observe import RoundResult, Window, merge_windows
-from batchpilot.operator.loop.tune import View, decide_tuning, thrash_per_1k
-from batchpilot.operator.loop.tuner_state import EngineSettings, Experiment, TuneDecision, TunerState
-
-
-def window(
-    *,
-    replicas=1,
-    running=0.0,
-    waiting=0.0,
-    kv=0.1,
-    kv_peak=None,
-    preemptions=0.0,
-    swaps=0.0,
-    itl_p99=None,
-    tokens=0.0,
-    max_num_seqs=8,
-    span=60.0,
-    budget=None,
-    dtype="auto",
-) -> Window:
-    """Totals over ``replicas`` (running/waiting are per replica here, for readability)."""
-    itl = () if itl_p99 is None else ((0.0, 0.0), (itl_p99 / 0.99, 1e3), (math.inf, 1e3))
-    urls = [f"http://r{i}" for i in range(replicas)]
-    return Window(
-        replicas=replicas,
-        span_seconds=span,
-        waiting=waiting * replicas,
-        running=running * replicas,
-        swapped=0.0,
-        kv_cache_usage=kv,
-        kv_cache_usage_peak=kv if kv_peak is None else kv_peak,
-        preemptions_per_minute=preemptions * replicas,
-        swaps_per_minute=swaps * replicas,
-        generation_tokens_per_second=tokens * replicas,
-        waiting_now=waiting * replicas,
-        running_now=running * replicas,
-        itl_buckets=itl,
-        max_num_seqs=dict.fromkeys(urls, max_num_seqs),
-        max_num_batched_tokens=dict.fromkeys(urls, budget) if budget else {},
-        kv_cache_dtype=dict.fromkeys(urls, dtype),
-    )
-
+from tests.support.loop import tw, window
 
 # --------------------------------------------------------------------------- autoscale
 
@@ -231,12 +195,6 @@ TUNE_FP8 = TUNE.model_copy(
     update={"tuning": TUNE.tuning.model_copy(update={"allow_fp8_kv_cache": True})}
 )
 AT8 = EngineSettings(8, "auto")
-
-
-def tw(**kw) -> Window:
-    """A window with enough ITL observations to judge by (P99 50 ms unless given)."""
-    kw.setdefault("itl_p99", 0.05)
-    return window(**kw)
 
 
 def one(url: str, **kw) -> Window:

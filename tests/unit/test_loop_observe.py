@@ -1,4 +1,4 @@
-"""observe.py: parsing the server's real /metrics text, windows, counter resets, histogram
+"""observe.py and scrape.py: parsing the server's real /metrics text, windows, counter resets, histogram
 P99 from bucket deltas, and scraping that skips and counts what does not answer."""
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ from batchpilot import names
 from batchpilot.operator.loop.observe import (
     MalformedMetrics,
     Observer,
-    Scrape,
-    UrlMetricsSource,
     bucket_increase,
     histogram_quantile,
     increase,
     parse_metrics,
-    ready_pod_urls,
 )
+from batchpilot.operator.loop.scrape import Scrape, UrlMetricsSource, ready_pod_urls
 from batchpilot.server.api import metrics as server_metrics
 from benchmarks.loopsim import metrics as sim
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
-from batchpilot.operator.crd import parse_spec
-from batchpilot.operator.loop.turn import ClosedLoop
-from batchpilot.operator.loop.observe import Scrape
+from batchpilot.operator.crd.spec import parse_spec
+from batchpilot.operator.loop.scrape import Scrape
 from batchpilot.operator.loop.tuner_state import EngineSettings
+from batchpilot.operator.loop.turn import ClosedLoop
 from benchmarks.loopsim import EngineModel, ReplicaConfig, ReplicaSim, Request
 
 SPEC = parse_spec(

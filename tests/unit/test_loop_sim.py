@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from batchpilot.operator.crd import parse_spec
+from batchpilot.operator.crd.spec import parse_spec
 from benchmarks.loopsim import (
     ReplicaConfig,
     ServiceSim,

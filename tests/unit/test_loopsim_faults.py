@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from batchpilot.operator.crd import parse_spec
+from batchpilot.operator.crd.spec import parse_spec
 from benchmarks.loopsim import Faults, ReplicaConfig, ServiceSim, steady
 from benchmarks.loopsim.faults import ALL, BLIND, DROPPED, REJECTED
 from benchmarks.loopsim.service import _SimAdmin, _SimSource

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 
-from batchpilot.operator.crd import parse_spec
+from batchpilot.operator.crd.spec import parse_spec
 from benchmarks.loopsim import (
     CPU,
     EngineModel,

@@ -13,7 +13,6 @@ import pytest
 from aiohttp import web
 
 from batchpilot import names
-from batchpilot.operator import resources as r
 from batchpilot.operator import status as st
 from batchpilot.operator.adapters import (
     FAILED,
@@ -26,6 +25,13 @@ from batchpilot.operator.adapters import (
     events,
     plan_replica,
 )
+from batchpilot.operator.children.config_map import LORA_MODULES_KEY, build_config_map
+from batchpilot.operator.children.deployment import build_deployment
+from batchpilot.operator.children.engine_args import read_engine_settings
+from batchpilot.operator.children.meta import Owner
+from batchpilot.operator.children.plan import effective_engine, plan_adapters
+from batchpilot.operator.children.pod import spec_problems
+from batchpilot.operator.crd.spec import SpecError, parse_spec
 from batchpilot.operator.loop.admin_client import (
     LOAD_PATH,
     MODELS_PATH,
@@ -34,14 +40,15 @@ from batchpilot.operator.loop.admin_client import (
     AdminClient,
     AdminError,
 )
-from batchpilot.operator.crd import SpecError, parse_spec
-from batchpilot.operator.loop.turn import tuning_event
-from batchpilot.operator.loop.observe import Replica, merge_windows, parse_metrics, replica_window
+from batchpilot.operator.loop.observe import merge_windows, parse_metrics, replica_window
+from batchpilot.operator.loop.scrape import Replica
+from batchpilot.operator.loop.state import LoopState, TunerState
 from batchpilot.operator.loop.tune import View, decide_tuning
-from batchpilot.operator.loop.tuner_state import EngineSettings, TuneDecision, TunerState
-from tests.unit.test_loop_laws import tw
+from batchpilot.operator.loop.tuner_state import EngineSettings, TuneDecision
+from batchpilot.operator.loop.turn import tuning_event
+from tests.support.loop import tw
 
-OWNER = r.Owner("chat", "ns", "uid-1")
+OWNER = Owner("chat", "ns", "uid-1")
 TOKEN = "secret"
 
 
@@ -50,7 +57,7 @@ def spec_with(adapters: list[dict], **extra) -> dict:
 
 
 def template(spec: dict) -> dict:
-    dep = r.build_deployment(OWNER, parse_spec(spec), image="img", admin_token=TOKEN)
+    dep = build_deployment(OWNER, parse_spec(spec), image="img", admin_token=TOKEN)
     return dep["spec"]["template"]
 
 
@@ -148,13 +155,13 @@ def test_adapter_claims_are_mounted_read_only_once_beside_the_models():
     ]
     mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
     assert mounts["/models/loras"]["readOnly"] is True
-    plans = r.plan_adapters(parse_spec(spec_with(adapters)))
+    plans = plan_adapters(parse_spec(spec_with(adapters)))
     assert [(p.path, p.pvc) for p in plans] == [
         ("/models/loras/a", "loras"),
         ("/models/loras/sub/b", "loras"),
         ("/models/models/c", "models"),
     ]
-    escape = r.plan_adapters(parse_spec(spec_with([{"name": "x", "source": "pvc://l/../../etc"}])))
+    escape = plan_adapters(parse_spec(spec_with([{"name": "x", "source": "pvc://l/../../etc"}])))
     assert escape[0].path == "/models/l"
 
 
@@ -162,8 +169,8 @@ def test_hf_adapters_run_offline_and_the_engine_records_lora_settings():
     spec = spec_with([{"name": "a", "source": "hf://org/a"}], engine={"maxLoras": 2})
     env = {e["name"]: e.get("value") for e in template(spec)["spec"]["containers"][0]["env"]}
     assert env["HF_HUB_OFFLINE"] == "1"
-    dep = r.build_deployment(OWNER, parse_spec(spec), image="img", admin_token=TOKEN)
-    assert r.read_engine_settings(dep)["maxLoras"] == 2
+    dep = build_deployment(OWNER, parse_spec(spec), image="img", admin_token=TOKEN)
+    assert read_engine_settings(dep)["maxLoras"] == 2
 
 
 def test_a_tuned_max_loras_reaches_the_template_within_bounds():
@@ -175,8 +182,8 @@ def test_a_tuned_max_loras_reaches_the_template_within_bounds():
         )
     )
     for tuned, want in ((4, "4"), (64, "8")):
-        dep = r.build_deployment(
-            OWNER, spec, image="img", admin_token=TOKEN, loops=r.LoopState(max_loras=tuned)
+        dep = build_deployment(
+            OWNER, spec, image="img", admin_token=TOKEN, loops=LoopState(max_loras=tuned)
         )
         args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args[args.index("--max-loras") + 1] == want
@@ -197,14 +204,15 @@ def test_new_replicas_start_with_the_adapters_the_config_map_lists(monkeypatch):
     """The ConfigMap carries the list, the container reads it as a variable, and the
     server's own CLI takes it from there (what Kubernetes does between them: put the key's
     value in the environment)."""
-    from batchpilot.server.api.cli import LoRAModule, add_arguments
+    from batchpilot.server.api.cli import add_arguments
+    from batchpilot.server.api.lora_modules import LoRAModule
 
     adapters = [{"name": "a", "source": "/adapters/a"}, {"name": "b", "source": "pvc://loras/b"}]
     spec = parse_spec(spec_with(adapters))
-    config_map = r.build_config_map(OWNER, spec, r.effective_engine(spec, r.LoopState()))
+    config_map = build_config_map(OWNER, spec, effective_engine(spec, LoopState()))
     env = {e["name"]: e for e in template(spec_with(adapters))["spec"]["containers"][0]["env"]}
     ref = env[names.LORA_MODULES_ENV]["valueFrom"]["configMapKeyRef"]
-    assert ref == {"name": config_map["metadata"]["name"], "key": r.LORA_MODULES_KEY,
+    assert ref == {"name": config_map["metadata"]["name"], "key": LORA_MODULES_KEY,
                    "optional": True}  # fmt: skip
     monkeypatch.setenv(names.LORA_MODULES_ENV, config_map["data"][ref["key"]])
     parser = argparse.ArgumentParser()
@@ -216,16 +224,14 @@ def test_new_replicas_start_with_the_adapters_the_config_map_lists(monkeypatch):
     ]
     # Without adapters or LoRA: neither the key nor the variable.
     plain = parse_spec(spec_with([]))
-    assert r.LORA_MODULES_KEY not in r.build_config_map(OWNER, plain, plain.engine)["data"]
+    assert LORA_MODULES_KEY not in build_config_map(OWNER, plain, plain.engine)["data"]
     env = template(spec_with([]))["spec"]["containers"][0]["env"]
     assert names.LORA_MODULES_ENV not in {e["name"] for e in env}
 
 
 def test_the_adapter_variable_is_the_operators():
     spec = parse_spec(spec_with([], pod={"env": [{"name": names.LORA_MODULES_ENV, "value": "[]"}]}))
-    assert r.spec_problems(spec) == [
-        f"spec.pod.env: {names.LORA_MODULES_ENV} is set by the operator"
-    ]
+    assert spec_problems(spec) == [f"spec.pod.env: {names.LORA_MODULES_ENV} is set by the operator"]
 
 
 # --------------------------------------------------------------------------- the plan
@@ -525,7 +531,7 @@ def test_max_loras_bottleneck_raises_max_loras_and_rolls():
     assert state.experiment.after == replace(AT2, max_loras=4)
     assert d.reason.startswith("trying: MaxLorasBottleneck") and d.action == "try"
     assert tuning_event(d, "")[0] == "MaxLorasBottleneck"
-    assert r.LoopState(max_loras=4).max_loras == 4
+    assert LoopState(max_loras=4).max_loras == 4
 
 
 def test_a_rare_bottleneck_or_no_tuning_range_changes_nothing():

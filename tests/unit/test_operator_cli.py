@@ -17,7 +17,8 @@ HEAVY = ("torch", "transformers", "triton")
 def test_operator_imports_no_heavy_modules_in_a_fresh_interpreter():
     code = (
         "import sys\n"
-        "import batchpilot.operator.handlers, batchpilot.operator.cli, batchpilot.operator.crd\n"
+        "import batchpilot.operator.handlers, batchpilot.operator.cli\n"
+        "import batchpilot.operator.crd.manifests\n"
         "from batchpilot.cli import build_parser\n"
         "build_parser(['operator']).parse_args(['operator', '-A'])\n"
         "from batchpilot.operator.handlers import make_registry\n"
@@ -109,7 +110,7 @@ def test_admin_urls_pair_with_metrics_urls():
 
     from batchpilot.cli import build_parser
     from batchpilot.operator.cli import config_from_args
-    from batchpilot.operator.loop.observe import UrlMetricsSource, on_port
+    from batchpilot.operator.loop.scrape import UrlMetricsSource, on_port
 
     args = build_parser(["operator"]).parse_args(
         ["operator", "-A", "--metrics-urls", "http://h:9,http://h:10",

@@ -12,15 +12,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchpilot import names
-from batchpilot.operator import crd, flags
-from batchpilot.operator.crd import InferenceServiceSpec, SpecError, parse_spec
+from batchpilot.operator import flags
+from batchpilot.operator.crd import manifests
+from batchpilot.operator.crd.engine import EngineSpec
+from batchpilot.operator.crd.spec import InferenceServiceSpec, SpecError, check_name, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = ROOT / "crds"
 
 
 def test_committed_crds_are_generated_from_crd_py():
-    files = crd.rendered_files()
+    files = manifests.rendered_files()
     assert set(files) == {p.name for p in CRDS.glob("*.yaml")}
     for name, text in files.items():
         assert (CRDS / name).read_text() == text, f"crds/{name} is stale: run `make crds`"
@@ -31,7 +33,7 @@ def test_cli_check_reports_stale_files(tmp_path, capsys):
 
     assert main(["operator", "crds", "--output", str(tmp_path)]) == 0
     assert main(["operator", "crds", "--check", str(tmp_path)]) == 0
-    (tmp_path / crd.CRD_FILE).write_text("stale")
+    (tmp_path / manifests.CRD_FILE).write_text("stale")
     assert main(["operator", "crds", "--check", str(tmp_path)]) == 1
     assert "stale" in capsys.readouterr().err
 
@@ -47,7 +49,7 @@ def _walk(schema: dict, path: str = ""):
 
 
 def test_crd_shape():
-    m = crd.crd_manifest()
+    m = manifests.crd_manifest()
     assert m["apiVersion"] == "apiextensions.k8s.io/v1"
     spec = m["spec"]
     assert (spec["group"], spec["scope"]) == ("batchpilot.dev", "Namespaced")
@@ -66,7 +68,7 @@ def test_crd_shape():
 
 def test_schema_is_structural():
     """Every node has a type (or is int-or-string / preserve-unknown), no $ref, no nulls."""
-    root = crd.crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    root = manifests.crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     text = yaml.safe_dump(root)
     assert "$ref" not in text and "null" not in text and "title" not in text
     for path, node in _walk(root):
@@ -78,7 +80,7 @@ def test_schema_is_structural():
 
 
 def test_schema_bounds_and_enums():
-    root = crd.crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    root = manifests.crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     engine = root["properties"]["spec"]["properties"]["engine"]["properties"]
     assert (engine["maxNumSeqs"]["minimum"], engine["maxNumSeqs"]["maximum"]) == (1, 4096)
     gmu = engine["gpuMemoryUtilization"]
@@ -94,7 +96,7 @@ def test_engine_fields_use_the_knob_names_and_server_defaults():
     """One name per knob: the CRD field is names.Knob.crd_field, the default the server's."""
     from batchpilot.server.config import EngineConfig
 
-    aliases = {f.alias for f in crd.EngineSpec.model_fields.values()}
+    aliases = {f.alias for f in EngineSpec.model_fields.values()}
     knobs = [v for v in vars(names).values() if isinstance(v, names.Knob)]
     assert knobs
     for knob in knobs:
@@ -133,7 +135,7 @@ def test_defaults_expand_like_the_api_server():
     assert spec["model"] == {"source": "bundled"}
     assert spec["replicas"] == 1
     # The CRD's default for spec is the same expansion.
-    root = crd.crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    root = manifests.crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     default = root["properties"]["spec"]["default"]
     assert default["engine"] == {k: v for k, v in spec["engine"].items() if v != []}
 
@@ -224,7 +226,7 @@ def test_step_budget_range_is_optional_and_bounds_the_engine():
     r = spec.tuning.max_num_batched_tokens
     assert (r.min, r.max) == (2048, 8192)
     assert spec.to_api()["tuning"]["maxNumBatchedTokens"] == {"min": 2048, "max": 8192}
-    root = crd.crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    root = manifests.crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     tuning = root["properties"]["spec"]["properties"]["tuning"]
     assert tuning["properties"]["maxNumBatchedTokens"]["required"] == ["min", "max"]
     assert "maxNumBatchedTokens" not in tuning["default"]
@@ -247,10 +249,10 @@ def test_slo_targets_and_the_older_itl_field():
 
 
 def test_name_rule():
-    crd.check_name("chat-1")
+    check_name("chat-1")
     for bad in ("1chat", "Chat", "chat_1", "a" * 64, "chat-"):
         with pytest.raises(SpecError, match="DNS-1035"):
-            crd.check_name(bad)
+            check_name(bad)
 
 
 _specs = st.fixed_dictionaries(
@@ -303,14 +305,14 @@ def test_valid_specs_round_trip(spec):
 )
 def test_extra_args_may_not_set_or_abbreviate_managed_flags(arg):
     assert flags.overrides_managed(arg)
-    with pytest.raises(crd.SpecError, match="may not set, or abbreviate"):
-        crd.parse_spec({"engine": {"extraArgs": ["--seed", "1", arg]}})
+    with pytest.raises(SpecError, match="may not set, or abbreviate"):
+        parse_spec({"engine": {"extraArgs": ["--seed", "1", arg]}})
 
 
 @pytest.mark.parametrize("arg", ["--seed", "3", "--kv-cache-memory", "2GiB", "--api-key=k", "-x"])
 def test_extra_args_of_other_flags_and_values_pass(arg):
     assert not flags.overrides_managed(arg)
-    crd.parse_spec({"engine": {"extraArgs": [arg]}})
+    parse_spec({"engine": {"extraArgs": [arg]}})
 
 
 def test_no_other_server_flag_is_a_prefix_of_a_managed_one():
@@ -365,8 +367,8 @@ def test_every_parser_refuses_abbreviations():
     ],
 )
 def test_pod_volumes_outside_the_restricted_list_are_refused(volume):
-    with pytest.raises(crd.SpecError, match="exactly one source, of configMap, csi"):
-        crd.parse_spec({"pod": {"volumes": [volume]}})
+    with pytest.raises(SpecError, match="exactly one source, of configMap, csi"):
+        parse_spec({"pod": {"volumes": [volume]}})
 
 
 def test_pod_volumes_of_the_restricted_list_pass():
@@ -376,16 +378,16 @@ def test_pod_volumes_of_the_restricted_list_pass():
         {"name": "p", "persistentVolumeClaim": {"claimName": "p"}},
         {"name": "s", "secret": {"secretName": "s"}},
     ]
-    assert crd.parse_spec({"pod": {"volumes": volumes}}).pod.volumes == volumes
+    assert parse_spec({"pod": {"volumes": volumes}}).pod.volumes == volumes
 
 
 def test_pod_spec_has_no_security_fields():
     """Privilege, host namespaces and capabilities are not expressible: the operator sets
     the security context, and spec.pod has no such field (the schema prunes, parse refuses)."""
-    pod = crd.crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][
-        "spec"
-    ]["properties"]["pod"]
+    pod = manifests.crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"][
+        "properties"
+    ]["spec"]["properties"]["pod"]
     for field in ("securityContext", "hostNetwork", "hostPID", "hostIPC", "privileged"):
         assert field not in pod["properties"]
-        with pytest.raises(crd.SpecError):
-            crd.parse_spec({"pod": {field: True}})
+        with pytest.raises(SpecError):
+            parse_spec({"pod": {field: True}})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from batchpilot.operator import ownership
-from batchpilot.operator.resources import Owner, owner_reference
+from batchpilot.operator.children.meta import Owner, owner_reference
 
 OWNER = Owner(name="web", namespace="team-a", uid="uid-web")
 

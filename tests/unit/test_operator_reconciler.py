@@ -10,11 +10,15 @@ import json
 
 import pytest
 
-from batchpilot.operator import handlers
-from batchpilot.operator import resources as r
+from batchpilot.operator import reconcile
+from batchpilot.operator.children import secret
+from batchpilot.operator.children.engine_args import read_engine_settings
+from batchpilot.operator.children.meta import Owner, selector_labels
+from batchpilot.operator.children.pod import LABEL_SA_ALLOWED
+from batchpilot.operator.children.secret import admin_token
 from batchpilot.operator.config import OperatorConfig
-from batchpilot.operator.handlers import Reconciler
 from batchpilot.operator.kube import ApiException
+from batchpilot.operator.reconcile import Reconciler
 
 NS = "team-a"
 KEY = "operator-key-3f9a"
@@ -131,7 +135,7 @@ class FakeKube:
         return name in self.pvcs
 
     def read_service_account(self, namespace, name):
-        labels = {r.LABEL_SA_ALLOWED: "allowed"} if name in self.allowed_accounts else {}
+        labels = {LABEL_SA_ALLOWED: "allowed"} if name in self.allowed_accounts else {}
         return (
             {"metadata": {"name": name, "labels": labels}}
             if name in self.service_accounts
@@ -160,8 +164,8 @@ def rec(kube):
 
 
 def secret_name(name: str = "chat") -> str:
-    token = r.admin_token(KEY.encode(), r.Owner(name=name, namespace=NS, uid=f"uid-{name}"))
-    return r.secret_name(name, token)
+    token = admin_token(KEY.encode(), Owner(name=name, namespace=NS, uid=f"uid-{name}"))
+    return secret.secret_name(name, token)
 
 
 def test_builds_all_children_and_writes_status(kube, rec):
@@ -215,8 +219,8 @@ def test_reconcile_is_idempotent_and_keeps_the_token(kube, rec):
 def test_token_is_derived_never_read(kube, rec):
     rec.reconcile(kube.add_isvc("chat", {}))
     assert not [c for c in kube.calls if c[0] == "read" and c[1] == "Secret"]
-    owner = r.Owner(name="chat", namespace=NS, uid="uid-chat")
-    assert rec.admin_token(owner) == r.admin_token(KEY.encode(), owner)
+    owner = Owner(name="chat", namespace=NS, uid="uid-chat")
+    assert rec.admin_token(owner) == admin_token(KEY.encode(), owner)
     # Another operator with the same key derives the same token; another key, another.
     again = Reconciler(OperatorConfig(admin_key=KEY), kube=kube)
     other = Reconciler(OperatorConfig(admin_key="another-key"), kube=kube)
@@ -348,7 +352,7 @@ def test_deployment_event_before_an_edit_is_reconciled_keeps_the_observed_genera
     st = kube.status("chat")
     assert st["observedGeneration"] == 1 and st["readyReplicas"] == 1
     events = []
-    monkeypatch.setattr(handlers, "post_event", lambda *a: events.append(a))
+    monkeypatch.setattr(reconcile, "post_event", lambda *a: events.append(a))
     rec.reconcile(body)
     assert kube.status("chat")["observedGeneration"] == 2
     assert [e[2] for e in events] == ["Applied"]
@@ -388,7 +392,7 @@ def test_loop_decisions_in_status_reach_the_deployment(kube, rec):
     dep = kube.objects[("Deployment", NS, "chat")]
     assert dep["metadata"]["generation"] == gen
     assert kube.objects[("ConfigMap", NS, "chat-engine")]["data"] == {"max_num_seqs": "100"}
-    assert r.read_engine_settings(dep)["maxNumSeqs"] == 100
+    assert read_engine_settings(dep)["maxNumSeqs"] == 100
     assert kube.status("chat")["engine"]["maxNumSeqs"] == 100
     # An fp8 KV cache rolls the pods.
     kube.objects[("InferenceService", NS, "chat")]["status"]["tuning"]["kvCacheDtype"] = "fp8"
@@ -443,7 +447,7 @@ def test_fields_added_by_others_are_dropped(kube, rec):
     kube.calls.clear()
     rec.reconcile_by_name(NS, "chat")
     assert ("replace", "Service", "chat") in kube.calls
-    assert kube.objects[("Service", NS, "chat")]["spec"]["selector"] == r.selector_labels("chat")
+    assert kube.objects[("Service", NS, "chat")]["spec"]["selector"] == selector_labels("chat")
     assert [c for c in kube.calls if c[0] == "replace"] == [("replace", "Service", "chat")]
 
 
@@ -479,7 +483,7 @@ class QueuedSource:
     """Two replicas with a long queue: what a real overloaded service reports."""
 
     async def scrape(self, namespace, name):
-        from batchpilot.operator.loop.observe import Scrape
+        from batchpilot.operator.loop.scrape import Scrape
 
         text = metrics_text(waiting=20, running=8, max_num_seqs=8)
         return [
@@ -492,8 +496,8 @@ def test_loop_timer_scales_through_status_and_the_reconcile(kube, rec):
     import asyncio
 
     from batchpilot.operator.loop.admin_client import AdminClient
-    from batchpilot.operator.loop.turn import ClosedLoop
     from batchpilot.operator.loop.timer import LoopTimer
+    from batchpilot.operator.loop.turn import ClosedLoop
 
     autoscaling = {"enabled": True, "minReplicas": 2, "maxReplicas": 8, "targetQueueLength": 2,
                    "scaleUpStabilizationSeconds": 0}  # fmt: skip
@@ -520,8 +524,8 @@ def test_loop_timer_leaves_replicas_to_an_hpa(kube, rec):
     import asyncio
 
     from batchpilot.operator.loop.admin_client import AdminClient
-    from batchpilot.operator.loop.turn import ClosedLoop
     from batchpilot.operator.loop.timer import LoopTimer
+    from batchpilot.operator.loop.turn import ClosedLoop
 
     autoscaling = {"enabled": True, "mode": "hpa", "scaleUpStabilizationSeconds": 0}
     rec.reconcile(kube.add_isvc("chat", {"autoscaling": autoscaling, "replicas": 2}))

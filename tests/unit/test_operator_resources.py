@@ -17,9 +17,46 @@ from hypothesis import strategies as st
 
 from batchpilot import names
 from batchpilot.operator import drift
-from batchpilot.operator import resources as r
-from batchpilot.operator.crd import parse_spec
-from batchpilot.operator.resources import LoopState, Owner
+from batchpilot.operator.children import secret
+from batchpilot.operator.children.autoscaler import HPA_KIND, SCALED_OBJECT_KIND, autoscaler_kind
+from batchpilot.operator.children.build import build_children, optional_kinds, stale_kinds
+from batchpilot.operator.children.engine_args import (
+    MAX_NUM_SEQS_ENV,
+    engine_settings,
+    read_engine_settings,
+)
+from batchpilot.operator.children.meta import (
+    LABEL_SERVICE,
+    MANAGED_BY,
+    Owner,
+    owner_reference,
+    selector_labels,
+)
+from batchpilot.operator.children.plan import desired_replicas, effective_engine, plan_model
+from batchpilot.operator.children.pod import (
+    HOME,
+    LABEL_SA_ALLOWED,
+    RUN_AS_USER,
+    SCRATCH_VOLUMES,
+    service_account_allowed,
+    spec_problems,
+)
+from batchpilot.operator.children.pool import INFERENCE_POOL_KIND
+from batchpilot.operator.children.quantity import parse_quantity, quantity
+from batchpilot.operator.children.secret import admin_token, build_secret
+from batchpilot.operator.children.service import (
+    ENDPOINT_SLICE_KIND,
+    LABEL_ROUTED,
+    SLICE_MANAGED_BY,
+    SLICE_SERVICE_NAME,
+    Activator,
+    activator_of,
+    build_service,
+    routes_to_activator,
+)
+from batchpilot.operator.crd.spec import parse_spec
+from batchpilot.operator.flags import ENGINE_KNOBS
+from batchpilot.operator.loop.state import LoopState
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOT = Path(__file__).resolve().parent / "snapshots" / "operator_gpu_sample_children.yaml"
@@ -31,7 +68,7 @@ TOKEN = "s3cret-token"
 def children(
     spec: dict, loops: LoopState = LoopState(), token: str = TOKEN, activator=None
 ) -> list[dict]:
-    return r.build_children(
+    return build_children(
         OWNER, parse_spec(spec), image=IMAGE, admin_token=token, loops=loops, activator=activator
     )
 
@@ -124,7 +161,7 @@ def test_server_args_parse_with_the_servers_own_cli():
     ],
 )
 def test_plan_model(source, name, arg, served, pvc):
-    plan = r.plan_model(parse_spec({"model": {"source": source, "name": name}}))
+    plan = plan_model(parse_spec({"model": {"source": source, "name": name}}))
     assert (plan.arg, plan.served_name, plan.pvc) == (arg, served, pvc)
 
 
@@ -146,10 +183,8 @@ def test_hf_source_runs_offline():
 
 def test_spec_problems():
     spec = parse_spec({"pod": {"env": [{"name": names.ADMIN_TOKEN_ENV, "value": "x"}]}})
-    assert r.spec_problems(spec) == [
-        f"spec.pod.env: {names.ADMIN_TOKEN_ENV} is set by the operator"
-    ]
-    assert r.spec_problems(parse_spec({"engine": {"extraArgs": ["--seed", "3"]}})) == []
+    assert spec_problems(spec) == [f"spec.pod.env: {names.ADMIN_TOKEN_ENV} is set by the operator"]
+    assert spec_problems(parse_spec({"engine": {"extraArgs": ["--seed", "3"]}})) == []
 
 
 def test_loops_are_persisted_within_bounds():
@@ -160,7 +195,7 @@ def test_loops_are_persisted_within_bounds():
         "replicas": 1,
     }
     dep = deployment(spec, loops=LoopState(replicas=9, max_num_seqs=500, kv_cache_dtype="fp8"))
-    engine = r.read_engine_settings(dep)
+    engine = read_engine_settings(dep)
     assert (dep["spec"]["replicas"], engine["maxNumSeqs"], engine["kvCacheDtype"]) == (
         5,
         128,
@@ -169,14 +204,14 @@ def test_loops_are_persisted_within_bounds():
     # Nothing decided yet: autoscaling starts at minReplicas, the engine at spec.engine.
     dep = deployment(spec)
     assert dep["spec"]["replicas"] == 2
-    assert r.read_engine_settings(dep)["maxNumSeqs"] == 64
+    assert read_engine_settings(dep)["maxNumSeqs"] == 64
     # fp8 only when allowed; decisions are ignored while the loop is disabled.
     no_fp8 = {**spec, "tuning": {**tuning, "allowFP8KVCache": False}}
     dep = deployment(no_fp8, loops=LoopState(kv_cache_dtype="fp8"))
-    assert r.read_engine_settings(dep)["kvCacheDtype"] == "auto"
+    assert read_engine_settings(dep)["kvCacheDtype"] == "auto"
     dep = deployment({"replicas": 3}, loops=LoopState(replicas=9, max_num_seqs=9))
     assert dep["spec"]["replicas"] == 3
-    assert r.read_engine_settings(dep)["maxNumSeqs"] == 64
+    assert read_engine_settings(dep)["maxNumSeqs"] == 64
 
 
 def test_loop_state_from_status():
@@ -201,18 +236,18 @@ def test_token_rotation_rolls_the_pods():
 
 
 def test_admin_token_is_derived_from_the_key_and_the_objects_identity():
-    token = r.admin_token(b"key-1", OWNER)
-    assert token == r.admin_token(b"key-1", OWNER) and len(token) >= 43  # 256 bits
+    token = admin_token(b"key-1", OWNER)
+    assert token == admin_token(b"key-1", OWNER) and len(token) >= 43  # 256 bits
     others = [
-        r.admin_token(b"key-2", OWNER),
-        r.admin_token(b"key-1", Owner(name="chat", namespace="team-a", uid="another-uid")),
-        r.admin_token(b"key-1", Owner(name="chat", namespace="team-b", uid="0000-uid")),
-        r.admin_token(b"key-1", Owner(name="chat2", namespace="team-a", uid="0000-uid")),
+        admin_token(b"key-2", OWNER),
+        admin_token(b"key-1", Owner(name="chat", namespace="team-a", uid="another-uid")),
+        admin_token(b"key-1", Owner(name="chat", namespace="team-b", uid="0000-uid")),
+        admin_token(b"key-1", Owner(name="chat2", namespace="team-a", uid="0000-uid")),
     ]
     assert len({token, *others}) == 5
-    name = r.secret_name("chat", token)
+    name = secret.secret_name("chat", token)
     assert name.startswith("chat-admin-") and token not in name
-    assert name != r.secret_name("chat", others[0])
+    assert name != secret.secret_name("chat", others[0])
 
 
 def test_pods_pass_the_restricted_pod_security_standard():
@@ -221,7 +256,7 @@ def test_pods_pass_the_restricted_pod_security_standard():
     dep = deployment({"model": {"source": "pvc://weights/llama"}})
     pod = dep["spec"]["template"]["spec"]
     sc = pod["securityContext"]
-    assert sc["runAsNonRoot"] is True and sc["runAsUser"] == r.RUN_AS_USER != 0
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] == RUN_AS_USER != 0
     assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
     c = container(dep)
     assert c["securityContext"] == {
@@ -234,12 +269,12 @@ def test_pods_pass_the_restricted_pod_security_standard():
         assert key not in pod
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
-    for name, path in r.SCRATCH_VOLUMES:
+    for name, path in SCRATCH_VOLUMES:
         assert volumes[name] == {"name": name, "emptyDir": {}} and mounts[path] == name
     env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["HOME"] == r.HOME
+    assert env["HOME"] == HOME
     for var in ("TORCH_EXTENSIONS_DIR", "TRITON_CACHE_DIR"):
-        assert env[var].startswith(r.HOME + "/")
+        assert env[var].startswith(HOME + "/")
     # The model claim stays read-only.
     assert mounts["/models/weights"] == "model"
 
@@ -258,14 +293,14 @@ def test_admin_port_is_on_the_pod_not_on_the_service():
 
 
 def test_service_account_allow_list():
-    sa = {"metadata": {"name": "sa", "labels": {r.LABEL_SA_ALLOWED: "allowed"}}}
-    assert r.service_account_allowed(sa)
-    assert not r.service_account_allowed({"metadata": {"name": "sa"}})
-    assert not r.service_account_allowed({"metadata": {"labels": {r.LABEL_SA_ALLOWED: "yes"}}})
+    sa = {"metadata": {"name": "sa", "labels": {LABEL_SA_ALLOWED: "allowed"}}}
+    assert service_account_allowed(sa)
+    assert not service_account_allowed({"metadata": {"name": "sa"}})
+    assert not service_account_allowed({"metadata": {"labels": {LABEL_SA_ALLOWED: "yes"}}})
 
 
 def test_contains_and_drifted():
-    svc = r.build_service(OWNER)
+    svc = build_service(OWNER)
     live = {
         **svc,
         "spec": {**svc["spec"], "clusterIP": "10.0.0.3"},
@@ -374,7 +409,7 @@ _valid = st.fixed_dictionaries(
                 ),
                 "serviceAccountName": st.sampled_from(["sa-1", "reader"]),
                 "labels": st.dictionaries(
-                    st.sampled_from(["team", r.LABEL_SERVICE]),
+                    st.sampled_from(["team", LABEL_SERVICE]),
                     st.sampled_from(["a", "evil"]),
                     max_size=2,
                 ),
@@ -391,13 +426,13 @@ _valid = st.fixed_dictionaries(
 @given(_valid)
 def test_properties_of_every_valid_spec(raw):
     spec = parse_spec(raw)
-    out = r.build_children(OWNER, spec, image=IMAGE, admin_token=TOKEN)
+    out = build_children(OWNER, spec, image=IMAGE, admin_token=TOKEN)
     kinds = ["Secret", "ConfigMap", "Service", "PodDisruptionBudget", "Deployment"]
-    autoscaler = r.autoscaler_kind(spec)
+    autoscaler = autoscaler_kind(spec)
     assert [c["kind"] for c in out] == kinds + ([autoscaler[1]] if autoscaler else [])
     # Deterministic: a re-apply never rolls the Deployment.
-    assert out == r.build_children(OWNER, spec, image=IMAGE, admin_token=TOKEN)
-    selector = r.selector_labels("chat")
+    assert out == build_children(OWNER, spec, image=IMAGE, admin_token=TOKEN)
+    selector = selector_labels("chat")
     for child in out:
         meta = child["metadata"]
         assert meta["name"].startswith("chat") and meta["namespace"] == "team-a"
@@ -411,7 +446,7 @@ def test_properties_of_every_valid_spec(raw):
                 "blockOwnerDeletion": True,
             }
         ]
-        assert meta["labels"][r.LABEL_SERVICE] == "chat"
+        assert meta["labels"][LABEL_SERVICE] == "chat"
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "batchpilot-operator"
         assert {"app.kubernetes.io/name", "app.kubernetes.io/instance"} <= set(meta["labels"])
 
@@ -445,7 +480,7 @@ def test_properties_of_every_valid_spec(raw):
     assert pod["terminationGracePeriodSeconds"] > sleep + shutdown
     assert c["args"][c["args"].index("--shutdown-timeout") + 1] == str(shutdown)
     # The admin token comes from the owned Secret.
-    secret_name = r.secret_name("chat", TOKEN)
+    secret_name = secret.secret_name("chat", TOKEN)
     token_env = {
         "name": names.ADMIN_TOKEN_ENV,
         "valueFrom": {"secretKeyRef": {"name": secret_name, "key": "token"}},
@@ -468,8 +503,8 @@ def test_properties_of_every_valid_spec(raw):
     else:
         assert pod["automountServiceAccountToken"] is False
     # The Deployment records exactly the spec's engine settings, and the args carry them.
-    engine = r.read_engine_settings(dep)
-    assert engine == r.engine_settings(spec.engine)
+    engine = read_engine_settings(dep)
+    assert engine == engine_settings(spec.engine)
     assert engine["maxNumSeqs"] == spec.engine.max_num_seqs
     assert engine["kvCacheDtype"] == spec.engine.kv_cache_dtype
     assert engine.get("maxModelLen") == spec.engine.max_model_len
@@ -477,18 +512,16 @@ def test_properties_of_every_valid_spec(raw):
     # max_num_seqs: a literal flag, or (tuning on) the ConfigMap's value through the env.
     (config_map,) = [x for x in out if x["kind"] == "ConfigMap"]
     assert config_map["data"] == {"max_num_seqs": str(spec.engine.max_num_seqs)}
-    live = f"--max-num-seqs=$({r.MAX_NUM_SEQS_ENV})"
+    live = f"--max-num-seqs=$({MAX_NUM_SEQS_ENV})"
     assert (live in c["args"]) == spec.tuning.enabled
-    assert any(e["name"] == r.MAX_NUM_SEQS_ENV for e in c["env"]) == spec.tuning.enabled
+    assert any(e["name"] == MAX_NUM_SEQS_ENV for e in c["env"]) == spec.tuning.enabled
     # A CPU pod's thread budget: its CPU limit, else its request, rounded up.
     threads = [e["value"] for e in c["env"][: len(c["env"]) - len(user_env)]
                if e["name"] == names.CPU_THREADS_ENV]  # fmt: skip
     res = raw.get("resources") or {}
     cpu = (res.get("limits") or {}).get("cpu", (res.get("requests") or {}).get("cpu"))
     gpu = "nvidia.com/gpu" in (res.get("limits") or {})
-    assert threads == (
-        [] if gpu or cpu is None else [str(max(1, math.ceil(r.parse_quantity(cpu))))]
-    )
+    assert threads == ([] if gpu or cpu is None else [str(max(1, math.ceil(parse_quantity(cpu))))])
     for autoscaler in out[5:]:
         if autoscaler["kind"] == "ScaledObject":
             jsonschema_rs.validate(SCALED_OBJECT_SCHEMA, autoscaler)
@@ -497,7 +530,7 @@ def test_properties_of_every_valid_spec(raw):
             "kind": "InferenceService",
             "name": "chat",
         }
-    for knob in r.ENGINE_KNOBS:
+    for knob in ENGINE_KNOBS:
         assert (
             knob.flag in flags
             or "--no-" + knob.flag[2:] in flags
@@ -512,7 +545,7 @@ def test_properties_of_every_valid_spec(raw):
 
 
 def test_foreign_managers_and_restored():
-    svc = r.build_service(OWNER)
+    svc = build_service(OWNER)
     live = {
         **svc,
         "spec": {
@@ -549,11 +582,11 @@ def test_foreign_managers_and_restored():
     )
     assert drift.foreign_managers(live, "batchpilot-operator") == ["kubectl-patch"]
     body = drift.restored(live, svc)
-    assert body["spec"]["selector"] == r.selector_labels("chat")
+    assert body["spec"]["selector"] == selector_labels("chat")
     assert body["spec"]["clusterIP"] == "10.0.0.9" and body["spec"]["clusterIPs"] == ["10.0.0.9"]
     assert body["metadata"]["resourceVersion"] == "12" and "managedFields" not in body["metadata"]
     assert "status" not in body
-    secret = r.build_secret(OWNER, "tok")
+    secret = build_secret(OWNER, "tok")
     live_secret = {
         **secret,
         "data": {**secret["data"], "extra": "eA=="},
@@ -692,13 +725,13 @@ def test_no_autoscaler_child_unless_asked():
     for autoscaling in ({**AUTOSCALING, "mode": "builtin"}, {"mode": "hpa"}):
         spec = parse_spec({"autoscaling": autoscaling})
         assert len(children({"autoscaling": autoscaling})) == 5
-        optional = [r.HPA_KIND, r.SCALED_OBJECT_KIND, r.INFERENCE_POOL_KIND, r.ENDPOINT_SLICE_KIND]
-        assert r.stale_kinds(spec) == optional
+        optional = [HPA_KIND, SCALED_OBJECT_KIND, INFERENCE_POOL_KIND, ENDPOINT_SLICE_KIND]
+        assert stale_kinds(spec) == optional
     spec = parse_spec({"autoscaling": {**AUTOSCALING, "mode": "hpa"}})
-    assert r.stale_kinds(spec) == [
-        r.SCALED_OBJECT_KIND,
-        r.INFERENCE_POOL_KIND,
-        r.ENDPOINT_SLICE_KIND,
+    assert stale_kinds(spec) == [
+        SCALED_OBJECT_KIND,
+        INFERENCE_POOL_KIND,
+        ENDPOINT_SLICE_KIND,
     ]
 
 
@@ -707,9 +740,9 @@ ROUTING = {"inferencePool": True, "endpointPicker": {"name": "epp", "port": 9002
 
 def test_inference_pool_selects_the_server_pods_on_the_serving_port():
     *_, pool = children({"routing": ROUTING})
-    assert (pool["apiVersion"], pool["kind"]) == r.INFERENCE_POOL_KIND
+    assert (pool["apiVersion"], pool["kind"]) == INFERENCE_POOL_KIND
     assert pool["metadata"]["name"] == "chat" and pool["metadata"]["namespace"] == "team-a"
-    assert pool["metadata"]["ownerReferences"] == [r.owner_reference(OWNER)]
+    assert pool["metadata"]["ownerReferences"] == [owner_reference(OWNER)]
     # The Deployment's pods, exactly: the same selector as the Service.
     pods = deployment({"routing": ROUTING})["spec"]["selector"]["matchLabels"]
     assert pool["spec"]["selector"] == {"matchLabels": pods}
@@ -722,21 +755,21 @@ def test_inference_pool_selects_the_server_pods_on_the_serving_port():
     }
     # It is built after the Deployment, with the autoscaler, and is not stale while asked for.
     spec = parse_spec({"routing": ROUTING})
-    assert r.optional_kinds(spec) == [r.INFERENCE_POOL_KIND]
-    assert r.INFERENCE_POOL_KIND not in r.stale_kinds(spec)
+    assert optional_kinds(spec) == [INFERENCE_POOL_KIND]
+    assert INFERENCE_POOL_KIND not in stale_kinds(spec)
 
 
 def test_no_inference_pool_unless_asked():
     for routing in ({}, {"inferencePool": False, "endpointPicker": {"name": "epp"}}):
         spec = parse_spec({"routing": routing})
         assert all(c["kind"] != "InferencePool" for c in children({"routing": routing}))
-        assert r.INFERENCE_POOL_KIND in r.stale_kinds(spec)
+        assert INFERENCE_POOL_KIND in stale_kinds(spec)
     with pytest.raises(ValueError, match=r"routing\.endpointPicker is required"):
         parse_spec({"routing": {"inferencePool": True}})
 
 
 ZERO = {"autoscaling": {"enabled": True, "minReplicas": 0}}
-ACTIVATOR = r.Activator(("10.244.0.10", "10.244.0.9"), 8080)  # sorted as text
+ACTIVATOR = Activator(("10.244.0.10", "10.244.0.9"), 8080)  # sorted as text
 
 
 def activator_slices(port_name: str = "http") -> list[dict]:
@@ -756,9 +789,9 @@ def activator_slices(port_name: str = "http") -> list[dict]:
 
 
 def test_activator_endpoints_are_its_ready_addresses_on_the_http_port():
-    assert r.activator_of(activator_slices()) == ACTIVATOR
-    assert r.activator_of(activator_slices("metrics")) is None  # no http port yet
-    assert r.activator_of([]) is None
+    assert activator_of(activator_slices()) == ACTIVATOR
+    assert activator_of(activator_slices("metrics")) is None  # no http port yet
+    assert activator_of([]) is None
 
 
 @pytest.mark.parametrize(
@@ -777,8 +810,8 @@ def test_activator_endpoints_are_its_ready_addresses_on_the_http_port():
 def test_routes_to_the_activator_only_while_no_replica_of_a_zero_capable_service_is_ready(
     spec, desired, ready, routed
 ):
-    assert r.routes_to_activator(parse_spec(spec), desired, ready, ACTIVATOR) is routed
-    assert r.routes_to_activator(parse_spec(spec), desired, ready, None) is False
+    assert routes_to_activator(parse_spec(spec), desired, ready, ACTIVATOR) is routed
+    assert routes_to_activator(parse_spec(spec), desired, ready, None) is False
 
 
 def test_at_zero_the_service_has_no_selector_and_the_activators_endpoints():
@@ -789,24 +822,24 @@ def test_at_zero_the_service_has_no_selector_and_the_activators_endpoints():
     (service,) = [c for c in built if c["kind"] == "Service"]
     # A selector no pod matches: the EndpointSlice controller keeps its slices in sync
     # (empty), so none of them keeps a pod that is gone.
-    assert service["spec"]["selector"] == {**r.selector_labels("chat"), r.LABEL_ROUTED: "activator"}
+    assert service["spec"]["selector"] == {**selector_labels("chat"), LABEL_ROUTED: "activator"}
     pod_labels = deployment(ZERO)["spec"]["template"]["metadata"]["labels"]
-    assert r.LABEL_ROUTED not in pod_labels
+    assert LABEL_ROUTED not in pod_labels
     assert service["spec"]["ports"][0]["name"] == "http"
     (eps,) = [c for c in built if c["kind"] == "EndpointSlice"]
     assert eps["metadata"]["name"] == "chat"
-    assert eps["metadata"]["labels"][r.SLICE_SERVICE_NAME] == "chat"
+    assert eps["metadata"]["labels"][SLICE_SERVICE_NAME] == "chat"
     # Not the EndpointSlice controller's value: it would delete a slice it does not own.
-    assert eps["metadata"]["labels"][r.SLICE_MANAGED_BY] == r.MANAGED_BY
-    assert eps["metadata"]["ownerReferences"] == [r.owner_reference(OWNER)]
+    assert eps["metadata"]["labels"][SLICE_MANAGED_BY] == MANAGED_BY
+    assert eps["metadata"]["ownerReferences"] == [owner_reference(OWNER)]
     assert eps["ports"] == [{"name": "http", "port": 8080, "protocol": "TCP"}]
     assert [e["addresses"] for e in eps["endpoints"]] == [["10.244.0.10"], ["10.244.0.9"]]
     spec = parse_spec(ZERO)
-    assert r.ENDPOINT_SLICE_KIND not in r.stale_kinds(spec, to_activator=True)
+    assert ENDPOINT_SLICE_KIND not in stale_kinds(spec, to_activator=True)
     # Back above zero: the selector again, and the slice is stale.
     (service,) = [c for c in children(ZERO) if c["kind"] == "Service"]
-    assert service["spec"]["selector"] == r.selector_labels("chat")
-    assert r.ENDPOINT_SLICE_KIND in r.stale_kinds(spec)
+    assert service["spec"]["selector"] == selector_labels("chat")
+    assert ENDPOINT_SLICE_KIND in stale_kinds(spec)
 
 
 @pytest.mark.parametrize(
@@ -822,7 +855,7 @@ def test_at_zero_the_service_has_no_selector_and_the_activators_endpoints():
     ],
 )
 def test_quantity_is_canonical(value, text):
-    assert r.quantity(value) == text
+    assert quantity(value) == text
 
 
 def test_tuned_max_num_seqs_changes_the_config_map_not_the_pod_template():
@@ -831,9 +864,9 @@ def test_tuned_max_num_seqs_changes_the_config_map_not_the_pod_template():
     b = children(spec, loops=LoopState(max_num_seqs=96))
     assert a[1]["data"] == {"max_num_seqs": "16"} and b[1]["data"] == {"max_num_seqs": "96"}
     assert a[4]["spec"] == b[4]["spec"]  # the same pod template: nothing rolls
-    assert r.read_engine_settings(b[4])["maxNumSeqs"] == 96
+    assert read_engine_settings(b[4])["maxNumSeqs"] == 96
     env = {e["name"]: e for e in container(a[4])["env"]}
-    assert env[r.MAX_NUM_SEQS_ENV]["valueFrom"] == {
+    assert env[MAX_NUM_SEQS_ENV]["valueFrom"] == {
         "configMapKeyRef": {"name": "chat-engine", "key": "max_num_seqs"}
     }
     # An fp8 switch does change the pod template: the Deployment rolls.
@@ -848,16 +881,16 @@ TUNED_BUDGET = {"enabled": True, "maxNumBatchedTokens": {"min": 256, "max": 4096
 def test_tuned_step_budget_is_clamped_within_its_range():
     spec = parse_spec({"tuning": TUNED_BUDGET})
     for tuned, want in ((1024, 1024), (64, 256), (10_000, 4096)):
-        engine = r.effective_engine(spec, LoopState(max_num_batched_tokens=tuned))
+        engine = effective_engine(spec, LoopState(max_num_batched_tokens=tuned))
         assert engine.max_num_batched_tokens == want
     # Nothing decided: spec.engine's value, else the range's max (what pods start with).
-    assert r.effective_engine(spec, LoopState()).max_num_batched_tokens == 4096
+    assert effective_engine(spec, LoopState()).max_num_batched_tokens == 4096
     spec = parse_spec({"tuning": TUNED_BUDGET, "engine": {"maxNumBatchedTokens": 512}})
-    assert r.effective_engine(spec, LoopState()).max_num_batched_tokens == 512
+    assert effective_engine(spec, LoopState()).max_num_batched_tokens == 512
     # Not tuned (no range, or the tuner off): a decision is ignored.
     for tuning in ({"enabled": True}, {**TUNED_BUDGET, "enabled": False}):
         spec = parse_spec({"tuning": tuning, "engine": {"maxNumBatchedTokens": 512}})
-        engine = r.effective_engine(spec, LoopState(max_num_batched_tokens=1024))
+        engine = effective_engine(spec, LoopState(max_num_batched_tokens=1024))
         assert engine.max_num_batched_tokens == 512
 
 
@@ -871,7 +904,7 @@ def test_tuned_step_budget_changes_the_config_map_not_the_pod_template():
     # tuned value within the range fits live; the annotation records that start.
     args = container(a[4])["args"]
     assert args[args.index("--max-num-batched-tokens") + 1] == "4096"
-    assert r.read_engine_settings(a[4])["maxNumBatchedTokens"] == 4096
+    assert read_engine_settings(a[4])["maxNumBatchedTokens"] == 4096
 
 
 def test_an_untuned_step_budget_is_the_spec_engines():
@@ -890,27 +923,27 @@ def test_live_max_num_seqs_arg_parses_with_the_servers_own_cli_once_expanded():
 
     out = children({"tuning": {"enabled": True}, "engine": {"maxNumSeqs": 24}})
     value = out[1]["data"]["max_num_seqs"]
-    args = [a.replace(f"$({r.MAX_NUM_SEQS_ENV})", value) for a in container(out[4])["args"]]
+    args = [a.replace(f"$({MAX_NUM_SEQS_ENV})", value) for a in container(out[4])["args"]]
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert config_from_args(parser.parse_args(args)).max_num_seqs == 24
 
 
 def test_reserved_env_is_refused():
-    spec = parse_spec({"pod": {"env": [{"name": r.MAX_NUM_SEQS_ENV, "value": "4"}]}})
-    assert r.spec_problems(spec) == [f"spec.pod.env: {r.MAX_NUM_SEQS_ENV} is set by the operator"]
+    spec = parse_spec({"pod": {"env": [{"name": MAX_NUM_SEQS_ENV, "value": "4"}]}})
+    assert spec_problems(spec) == [f"spec.pod.env: {MAX_NUM_SEQS_ENV} is set by the operator"]
 
 
 def test_turning_builtin_autoscaling_on_keeps_the_running_count_until_the_loop_decides():
     spec = parse_spec(
         {"replicas": 3, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}}
     )
-    assert r.desired_replicas(spec, r.LoopState()) == 3
-    assert r.desired_replicas(spec, r.LoopState(replicas=2)) == 2
+    assert desired_replicas(spec, LoopState()) == 3
+    assert desired_replicas(spec, LoopState(replicas=2)) == 2
     tight = parse_spec(
         {"replicas": 9, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}}
     )
-    assert r.desired_replicas(tight, r.LoopState()) == 4
+    assert desired_replicas(tight, LoopState()) == 4
 
 
 @pytest.mark.parametrize(
@@ -930,7 +963,7 @@ def test_turning_builtin_autoscaling_on_keeps_the_running_count_until_the_loop_d
     ],
 )
 def test_parse_quantity(value, number):
-    assert r.parse_quantity(value) == number
+    assert parse_quantity(value) == number
 
 
 def _threads_env(spec: dict) -> list[str]:
@@ -969,12 +1002,12 @@ def test_threads_set_in_pod_env_win(name):
     assert [e for e in env if e["name"] in (names.CPU_THREADS_ENV, "OMP_NUM_THREADS")] == [
         {"name": name, "value": "3"}
     ]
-    assert r.spec_problems(parse_spec(spec)) == []
+    assert spec_problems(parse_spec(spec)) == []
 
 
 def test_the_thread_budget_is_what_the_server_runs():
     """The server reads the variable the operator sets: 3 threads on a 64-CPU node."""
-    from batchpilot.server.cpu_budget import resolve_cpu_threads
+    from batchpilot.server.platform.cpu_budget import resolve_cpu_threads
 
     env = {
         e["name"]: e["value"]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from batchpilot.operator import status as s
-from batchpilot.operator.crd import parse_spec
-from batchpilot.operator.resources import LoopState, Owner, build_deployment
+from batchpilot.operator.children.deployment import build_deployment
+from batchpilot.operator.children.meta import Owner
+from batchpilot.operator.crd.spec import parse_spec
+from batchpilot.operator.loop.state import LoopState
 
 OWNER = Owner("chat", "ns", "uid-1")
 URL = "http://chat.ns.svc.cluster.local:8000"

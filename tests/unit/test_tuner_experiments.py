@@ -1,4 +1,4 @@
-"""The experiment rule (experiment.py) and the tuner's flows (tune.decide_tuning): every
+"""The keep-or-revert judge (judge.py) and the tuner's flows (tune.decide_tuning): every
 engine change is tried, judged against a baseline at equal load, kept or reverted, and
 remembered with a back-off. Windows are built by hand; a tiny plant drives the loop over
 hours where the answer must be "no ratchet"."""
@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from batchpilot.operator.crd import parse_spec
+from batchpilot.operator.crd.spec import parse_spec
 from batchpilot.operator.loop.judge import (
     JudgeLimits,
     Targets,
@@ -21,10 +21,12 @@ from batchpilot.operator.loop.judge import (
     score,
     share_within,
 )
-from batchpilot.operator.loop.turn import live_targets
 from batchpilot.operator.loop.observe import Window, merge_windows
-from batchpilot.operator.loop.tune import TuneLimits, View, decide_tuning
-from batchpilot.operator.loop.tuner_state import EngineSettings, Move, Score, TunerState, Verdict
+from batchpilot.operator.loop.state import TunerState
+from batchpilot.operator.loop.tune import View, decide_tuning
+from batchpilot.operator.loop.tune_rules import TuneLimits
+from batchpilot.operator.loop.tuner_state import EngineSettings, Move, Score, Verdict
+from batchpilot.operator.loop.turn import live_targets
 
 R0, R1, R2, R3 = (f"http://r{i}" for i in range(4))
 AT8 = EngineSettings(8, "auto")

@@ -1,6 +1,6 @@
-"""The tuner's memory in status.tuning (tuner_state.py): a round trip through the status is
-lossless, hand-edited garbage is dropped without a crash, the history is bounded, and a
-rejected setting backs off, doubling per rejection in a row."""
+"""The tuner's memory in status.tuning (state.py, tuner_state.py): a round trip through the
+status is lossless, hand-edited garbage is dropped without a crash, the history is bounded,
+and a rejected setting backs off, doubling per rejection in a row."""
 
 from __future__ import annotations
 
@@ -9,17 +9,19 @@ from dataclasses import replace
 
 import pytest
 
-from batchpilot.operator.loop.tuner_state import (
+from batchpilot.operator.loop.state import (
     HISTORY_LENGTH,
     VERDICTS_KEPT,
+    TunerState,
+    settings_from_status,
+)
+from batchpilot.operator.loop.timestamps import timestamp
+from batchpilot.operator.loop.tuner_state import (
     EngineSettings,
     Experiment,
     Score,
     TuneDecision,
-    TunerState,
     Verdict,
-    settings_from_status,
-    timestamp,
 )
 
 S8 = EngineSettings(8, "auto")

@@ -13,8 +13,8 @@ monkeypatched here.
 
 import torch
 
-from batchpilot.server import sampler
 from batchpilot.server.model import runner
+from batchpilot.server.sampling import sampler
 
 POISON_SEED = 424242
 POISON_TOKEN = 4242

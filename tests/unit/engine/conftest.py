@@ -1,20 +1,8 @@
 import pytest
 import torch
-from tiny_llama import make_tiny_llama
 
 from batchpilot.server.model.loader import load_hf_model
-
-PROMPTS = [
-    "Hello world",
-    "The capital of France is",
-    "请解释一下机器学习",
-    "请解释一下" + "机器学习" * 5,
-    "Once upon a time, in a land far away, there lived a small dragon who",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 2,
-    "Q: What is 2 + 2?\nA:",
-    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,",
-]
+from tests.support.models import make_tiny_llama
 
 
 @pytest.fixture(scope="session")

@@ -3,11 +3,11 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchpilot.server.engine.sequence import Sequence
 from batchpilot.server.kv import manager
 from batchpilot.server.kv.block_pool import BlockPool, SwapSpace
 from batchpilot.server.kv.manager import KVCacheManager
-from batchpilot.server.sampling_params import SamplingParams
-from batchpilot.server.sequence import Sequence
+from batchpilot.server.sampling.sampling_params import SamplingParams
 
 BLOCK = 4
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from batchpilot.server.attention import cpu_decode
+from batchpilot.server.attention import cpu_decode, cpu_decode_choice
 from batchpilot.server.attention.paged import _decode_attention
 
 pytestmark = pytest.mark.skipif(cpu_decode.load() is None, reason="no C++ toolchain here")
@@ -70,14 +70,14 @@ def verdicts(monkeypatch, tmp_path):
         timing.calls.append(shapes)
         return timing.ms
 
-    monkeypatch.setattr(cpu_decode, "verdict_dir", lambda: tmp_path)
-    monkeypatch.setattr(cpu_decode, "time_both", time_both)
+    monkeypatch.setattr(cpu_decode_choice, "verdict_dir", lambda: tmp_path)
+    monkeypatch.setattr(cpu_decode_choice, "time_both", time_both)
     return timing
 
 
 def choose(requested="auto", kv_cache_dtype="auto", **changes):
     shapes = SHAPES | changes
-    return cpu_decode.choose(requested, *shapes.values(), kv_cache_dtype)
+    return cpu_decode_choice.choose(requested, *shapes.values(), kv_cache_dtype)
 
 
 def test_the_verdict_is_measured_once_then_read_from_its_file(verdicts, caplog):
@@ -119,7 +119,7 @@ def test_cpu_kernel_is_for_cpus_only():
 def test_an_unwritable_cache_still_decides(verdicts, monkeypatch):
     blocker = verdicts.dir / "a-file"
     blocker.write_text("")
-    monkeypatch.setattr(cpu_decode, "verdict_dir", lambda: blocker / "below")
+    monkeypatch.setattr(cpu_decode_choice, "verdict_dir", lambda: blocker / "below")
     verdicts.fake(1.0, 2.0)
     assert choose() == choose() == "cpu_kernel"
     assert len(verdicts.calls) == 2
@@ -129,15 +129,14 @@ def test_the_timing_runs_both_paths_quickly():
     import time
 
     start = time.perf_counter()
-    kernel_ms, torch_ms = cpu_decode.time_both(*SHAPES.values())
+    kernel_ms, torch_ms = cpu_decode_choice.time_both(*SHAPES.values())
     assert kernel_ms > 0 and torch_ms > 0
     assert time.perf_counter() - start < 10  # ~1 s budget; generous for a loaded machine
 
 
 def generate(model, **config):
     from batchpilot.server import LLM, SamplingParams
-
-    from .conftest import PROMPTS
+    from tests.support.engine import PROMPTS
 
     llm = LLM(model, dtype="float32", max_model_len=128, **config)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

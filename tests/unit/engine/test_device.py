@@ -2,7 +2,7 @@
 
 import torch
 
-from batchpilot.server.device import cpu_dtype, cpu_flags, resolve_dtype
+from batchpilot.server.platform.device import cpu_dtype, cpu_flags, resolve_dtype
 
 CPU = torch.device("cpu")
 

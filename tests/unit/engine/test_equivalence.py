@@ -5,26 +5,9 @@ import pytest
 
 from batchpilot.server import LLM, SamplingParams
 from batchpilot.server.kv import manager
-
-from .conftest import PROMPTS
+from tests.support.engine import CONDITIONS, PROMPTS
 
 MAX_TOKENS = 24
-BLOCK_BYTES_TINY = 2 * 2 * 16 * 2 * 16 * 4  # K+V, 2 layers, 16 slots, 2 heads, dim 16, fp32
-
-CONDITIONS = {
-    "batched": dict(),
-    "chunked_prefill": dict(max_num_batched_tokens=8),
-    "preempt_swap": dict(kv_cache_memory_bytes=16 * BLOCK_BYTES_TINY, preemption_mode="swap"),
-    "preempt_recompute": dict(
-        kv_cache_memory_bytes=16 * BLOCK_BYTES_TINY, preemption_mode="recompute"
-    ),
-    "preempt_swap_exhausted": dict(
-        kv_cache_memory_bytes=16 * BLOCK_BYTES_TINY, swap_space_bytes=4 * BLOCK_BYTES_TINY
-    ),
-    "no_prefix_cache_no_chunking": dict(enable_prefix_caching=False, enable_chunked_prefill=False),
-    # The timing at start-up picks torch for the tiny model's shapes; this forces oneDNN.
-    "linear_onednn": dict(linear_backend="onednn", max_num_batched_tokens=8),
-}
 
 
 def run(model, prompts, **config):

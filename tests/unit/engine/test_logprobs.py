@@ -2,7 +2,7 @@
 
 import torch
 
-from batchpilot.server.logprobs import compute_logprobs, gather_logprobs
+from batchpilot.server.sampling.logprobs import compute_logprobs, gather_logprobs
 
 
 def test_gather_returns_the_scored_token_and_each_rows_top_n():

@@ -7,9 +7,7 @@ import torch
 
 from batchpilot.server import LLM, SamplingParams
 from batchpilot.server.model.loader import load_hf_model
-
-from .conftest import PROMPTS
-from .test_equivalence import BLOCK_BYTES_TINY
+from tests.support.engine import BLOCK_BYTES_TINY, PROMPTS
 
 MAX_TOKENS = 24  # enough growth to force preemption in 16 blocks
 NUM_LOGPROBS = 4

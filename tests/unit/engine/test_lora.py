@@ -9,15 +9,13 @@ import shutil
 
 import pytest
 import torch
-from lora_adapters import make_adapter, peft_greedy
 from safetensors.torch import load_file, save_file
 
 from batchpilot.server import LLM, SamplingParams
-from batchpilot.server.engine import RequestRejected
+from batchpilot.server.engine.admission import RequestRejected
 from batchpilot.server.lora import LoRAError, LoRAInUse, LoRANotFound
-
-from .conftest import PROMPTS
-from .test_equivalence import CONDITIONS
+from tests.support.engine import CONDITIONS, PROMPTS
+from tests.support.models import make_adapter, peft_greedy
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

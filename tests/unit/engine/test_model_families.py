@@ -5,14 +5,11 @@ import json
 
 import pytest
 import torch
-from lora_adapters import make_adapter, peft_greedy
-from tiny_llama import make_tiny_llama
 
 from batchpilot.server import LLM, SamplingParams
 from batchpilot.server.model.loader import UnsupportedModelError, load_hf_model
-
-from .conftest import PROMPTS
-from .test_equivalence import CONDITIONS
+from tests.support.engine import CONDITIONS, PROMPTS
+from tests.support.models import make_adapter, make_tiny_llama, peft_greedy
 
 VARIANTS = {
     "qwen2": dict(model_type="qwen2"),  # q/k/v projections carry biases

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from batchpilot.server.penalties import (
+from batchpilot.server.sampling.penalties import (
     apply_logit_bias,
     apply_min_p,
     apply_min_tokens,

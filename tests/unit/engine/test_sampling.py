@@ -7,9 +7,9 @@ import torch
 from transformers import AutoTokenizer
 
 from batchpilot.server import LLM, SamplingParams
-from batchpilot.server.detokenizer import IncrementalDetokenizer
-from batchpilot.server.sampler import sample
-from batchpilot.server.sequence import Sequence
+from batchpilot.server.engine.sequence import Sequence
+from batchpilot.server.output.detokenizer import IncrementalDetokenizer
+from batchpilot.server.sampling.sampler import sample
 
 
 @pytest.fixture(scope="module")

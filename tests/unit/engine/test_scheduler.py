@@ -5,8 +5,8 @@ import random
 import pytest
 
 from batchpilot.server import LLM, SamplingParams
-from batchpilot.server.engine import RequestRejected
-from batchpilot.server.sequence import Status
+from batchpilot.server.engine.admission import RequestRejected
+from batchpilot.server.engine.sequence import Status
 
 BLOCK_BYTES_TINY = 2 * 2 * 16 * 2 * 16 * 4
 

@@ -7,11 +7,12 @@ monkeypatching the sampler and the model runner."""
 
 import pytest
 
-from batchpilot.server import sampler
-from batchpilot.server.engine import LLMEngine, RequestRejected
-from batchpilot.server.faults import StepFailed
+from batchpilot.server.engine.admission import RequestRejected
+from batchpilot.server.engine.llm_engine import LLMEngine
+from batchpilot.server.engine.step_faults import StepFailed
 from batchpilot.server.kv.block_pool import block_digest
-from batchpilot.server.sampling_params import SamplingParams
+from batchpilot.server.sampling import sampler
+from batchpilot.server.sampling.sampling_params import SamplingParams
 
 POISON_SEED = 666
 LONG_PROMPT = "the quick brown fox jumps over the lazy dog, again and again. " * 4

@@ -9,8 +9,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before any triton kernel is defined: run on CPU
 
 from batchpilot.server import LLM, SamplingParams
-
-from .conftest import PROMPTS
+from tests.support.engine import PROMPTS
 
 MAX_TOKENS = 8
 CHUNKED = dict(max_model_len=128, max_num_batched_tokens=16, attention_backend="triton")

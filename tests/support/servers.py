@@ -1,8 +1,5 @@
-"""The real `batchpilot serve` process the server tests drive; no tests of its own.
-
-(It is named test_server_* only so that it sits with the server tests it supports; tests/
-has no package, so the test modules import it by name.)
-"""
+"""A real `batchpilot serve` process on 127.0.0.1, as the server, activator and cluster
+tests drive it: started on free ports, ready when /ready answers, stopped with SIGINT."""
 
 from __future__ import annotations
 
@@ -116,14 +113,3 @@ class ServerProcess:
                 if s.name == name and labels.items() <= s.labels.items():
                     return s.value
         raise KeyError(name)
-
-
-def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(interval)

@@ -1,7 +1,7 @@
 """What the kind test files share: the environment knobs, running kind/kubectl/helm, the
-``Kind`` handle, the operator's helm install, the CPU sample, waiting, diagnostics and the
-teardown. The session fixtures built on it (the cluster, the images in it) are in
-conftest.py; see test_kind_e2e.py's docstring and README.md for the knobs.
+``Kind`` handle, the operator's helm install, the CPU sample, waiting for it Ready,
+diagnostics and the teardown. The session fixtures built on it (the cluster, the images in
+it) are in kind-tests/conftest.py; see kind-tests/README.md for the knobs.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import re
 import shutil
 import socket
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-HERE = Path(__file__).resolve().parent
+from tests.support.wait import wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+KIND_TESTS = REPO / "kind-tests"
 CLUSTER = "batchpilot-e2e"
 CACHE = Path(os.environ.get("BATCHPILOT_CACHE", Path.home() / ".cache" / "batchpilot"))
 K8S_VERSION = re.search(
@@ -41,6 +41,8 @@ RELEASE = "batchpilot"
 SERVICE = "smol"
 SERVER_PORT = 8000
 GROUP, VERSION, PLURAL = "batchpilot.dev", "v1alpha1", "inferenceservices"
+# How often to poll a condition: each check runs kubectl (or curl) against a real cluster.
+POLL = 2.0
 
 
 def which(name: str) -> str | None:
@@ -91,17 +93,6 @@ def run(*cmd: str, env: dict | None = None, input: str | None = None, timeout: f
     return proc
 
 
-def wait_for(what: str, predicate: Callable[[], object], timeout: float, every: float = 2.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(every)
-
-
 class Kind:
     def __init__(self, kubeconfig: Path, workdir: Path):
         self.kubeconfig = kubeconfig
@@ -145,6 +136,7 @@ def install_operator(kind: Kind) -> None:
             or kind.get("namespace", OPERATOR_NAMESPACE)["status"].get("phase") != "Terminating"
         ),
         300,
+        interval=POLL,
     )
     op_repo, op_tag = image_args(OPERATOR_IMAGE)
     srv_repo, srv_tag = image_args(SERVER_IMAGE)
@@ -211,6 +203,30 @@ def is_ready(obj: dict) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
+def wait_ready(kind: Kind, namespace: str, report, replicas: int = 0, exact: bool = False) -> dict:
+    """The InferenceService SERVICE once Ready, with at least (or, if exact, exactly)
+    `replicas` Ready replicas; report (the fixture: fail with diagnostics) if it is not
+    within READY_TIMEOUT."""
+
+    def ready() -> dict | None:
+        obj = kind.get(PLURAL, SERVICE, "-n", namespace)
+        count = (obj.get("status", {}).get("readyReplicas") or 0) if obj else 0
+        enough = count == replicas if exact else count >= replicas
+        return obj if obj and is_ready(obj) and enough else None
+
+    what = "the InferenceService to become Ready"
+    try:
+        return wait_for(
+            what + (f" with {replicas} replicas" if replicas else ""),
+            ready,
+            READY_TIMEOUT,
+            interval=3,
+        )
+    except AssertionError as e:
+        report(str(e))
+        raise  # not reached: report fails the test
+
+
 def teardown(kind: Kind, namespace: str, service: str = SERVICE) -> None:
     """Delete the CRs, then helm uninstall; nothing of batchpilot may remain."""
     kind.kubectl("delete", PLURAL, "--all", "-n", namespace, "--wait=true", timeout=300)
@@ -221,7 +237,7 @@ def teardown(kind: Kind, namespace: str, service: str = SERVICE) -> None:
             "get", "deployments,services,pdb,secrets,pods", "-n", namespace, "-l", selector,
             "-o", "name",
         ).stdout.strip(),
-        300,
+        300, interval=POLL,
     )  # fmt: skip
     kind.helm("uninstall", RELEASE, "--namespace", OPERATOR_NAMESPACE, "--wait")
     release = f"app.kubernetes.io/instance={RELEASE}"
@@ -233,7 +249,7 @@ def teardown(kind: Kind, namespace: str, service: str = SERVICE) -> None:
             or kind.kubectl("get", "clusterroles,clusterrolebindings", "-l", release,
                             "-o", "name").stdout.strip()
         ),
-        300,
+        300, interval=POLL,
     )  # fmt: skip
     # Helm never deletes crds/: that is the cluster owner's call, made here.
     kind.kubectl("delete", "-f", str(REPO / "charts" / "batchpilot" / "crds"), "--wait=true")
