@@ -111,11 +111,23 @@ def node_port(kind: Kind, namespace: str, ready_service) -> str:
 
 def bench(url: str, out: Path, *args: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-    return subprocess.Popen(
-        [sys.executable, "-m", "batchpilot", "bench", "serve", "--url", url,
-         "--result-dir", str(out.parent), "--result-filename", out.name, "--seed", "1", *args],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    # The load's own output goes to a file beside its result: when no verdict comes, its tail
+    # says whether the load ran (a CI run once saw 0 ITL observations for 10 minutes).
+    with open(out.with_suffix(".log"), "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "batchpilot", "bench", "serve", "--url", url,
+             "--result-dir", str(out.parent), "--result-filename", out.name, "--seed", "1",
+             *args],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+
+def load_logs(tmp_path: Path) -> str:
+    """The last lines of every load generator's output."""
+    return "\n".join(
+        f"--- {log.name}:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        for log in sorted(tmp_path.glob("load-*.log"))
+    )
 
 
 def tuning_status(kind: Kind, namespace: str) -> dict:
@@ -232,7 +244,7 @@ def _kept_then_reverted(kind: Kind, namespace: str, url: str, tmp_path: Path, lo
         tuning, i, kept = wait_for("a verdict on a raise of max_num_seqs", raise_judged,
                                    VERDICT_TIMEOUT, interval=3)  # fmt: skip
     except AssertionError as e:
-        report(f"{e}\n{dump(tuning_status(kind, namespace))}")
+        report(f"{e}\n{dump(tuning_status(kind, namespace))}\n{load_logs(tmp_path)}")
     history = tuning["history"]
     if kept["action"] != "keep":
         report(f"the first raise was not kept ({kept['action']}): {kept}\n{dump(tuning)}")
@@ -269,7 +281,7 @@ def _kept_then_reverted(kind: Kind, namespace: str, url: str, tmp_path: Path, lo
             interval=3,
         )
     except AssertionError as e:
-        report(f"{e}\n{dump(tuning_status(kind, namespace))}")
+        report(f"{e}\n{dump(tuning_status(kind, namespace))}\n{load_logs(tmp_path)}")
     patch_spec(kind, namespace, {"slo": {"interTokenLatencySeconds": 0.001}})
     try:
         # The pod runs what status.tuning keeps in force (a later try, single replica,
@@ -297,7 +309,7 @@ def _kept_then_reverted(kind: Kind, namespace: str, url: str, tmp_path: Path, lo
             interval=POLL,
         )
     except AssertionError as e:
-        report(f"{e}\n{dump(tuning_status(kind, namespace))}")
+        report(f"{e}\n{dump(tuning_status(kind, namespace))}\n{load_logs(tmp_path)}")
 
     # ---- (b) an ITL target no CPU pod meets (patched above): a lower, tried and reverted
 
@@ -309,7 +321,7 @@ def _kept_then_reverted(kind: Kind, namespace: str, url: str, tmp_path: Path, lo
         tuning, j, reverted = wait_for("a verdict on a lower of max_num_seqs", lower_judged,
                                        VERDICT_TIMEOUT, interval=2)  # fmt: skip
     except AssertionError as e:
-        report(f"{e}\n{dump(tuning_status(kind, namespace))}")
+        report(f"{e}\n{dump(tuning_status(kind, namespace))}\n{load_logs(tmp_path)}")
     history = tuning["history"]
     if reverted["action"] != "revert":
         report(f"the lower was not reverted ({reverted['action']}): {reverted}\n{dump(tuning)}")
@@ -357,4 +369,4 @@ def _kept_then_reverted(kind: Kind, namespace: str, url: str, tmp_path: Path, lo
         wait_for("the TuningReverted Event", lambda: events(kind, namespace, "TuningReverted"),
                  120, interval=POLL)  # fmt: skip
     except AssertionError as e:
-        report(f"{e}\n{dump(tuning_status(kind, namespace))}")
+        report(f"{e}\n{dump(tuning_status(kind, namespace))}\n{load_logs(tmp_path)}")
