@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -122,6 +123,16 @@ def bench(url: str, out: Path, *args: str) -> subprocess.Popen:
         )  # fmt: skip
 
 
+def answers(url: str) -> bool:
+    """Whether the server behind ``url`` answers /health (no proxy, like the load)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(f"{url}/health", timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
 def load_logs(tmp_path: Path) -> str:
     """The last lines of every load generator's output."""
     return "\n".join(
@@ -206,6 +217,13 @@ def test_a_tuning_change_is_kept_and_one_is_reverted_on_real_pods(
         )
     except AssertionError as e:
         report(f"{e}\n{dump(tuning_status(kind, namespace))}")
+    # The load generator gives up on its first refused connection, so it starts only once
+    # the NodePort answers (twice in one session it was started too early and sent nothing).
+    try:
+        wait_for("the load Service's NodePort to answer", lambda: answers(node_port), 120,
+                 interval=POLL)  # fmt: skip
+    except AssertionError as e:
+        report(str(e))
     # (a) 16 streams against 4 slots (8 after the raise): slot-bound with a queue.
     loads = [start_load(node_port, tmp_path, 16)]
     try:
