@@ -35,6 +35,7 @@ KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 ONE_B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
              num_attention_heads=32, num_key_value_heads=4, head_dim=64)  # fmt: skip
 # (label, attention_backend, cuda_graphs) of each engine run.
+AGREE_TOKENS = 16  # greedy tokens compared between engine variants
 ENGINE_VARIANTS = (("torch", "torch", False), ("triton", "triton", False),
                    ("triton+graphs", "triton", True))  # fmt: skip
 
@@ -66,6 +67,7 @@ def main(argv=None) -> int:
         print("no CUDA device: this benchmark needs a GPU")
         return 2
     start = time.monotonic()
+    args.deadline = start + args.budget_s
     name = torch.cuda.get_device_name()
     print(f"device: {name}, torch {torch.__version__}")
     copy_bw = copy_bandwidth()
@@ -163,12 +165,18 @@ def rel_err(out, ref) -> float:
 
 
 def kernel_rows(copy_bw: float) -> list[dict]:
+    long_decodes, short_decodes = [8192, 8000, 7000, 6001], [512 + 24 * i for i in range(64)]
     rows = []
     for kv_dtype in KV_DTYPES:
-        rows.append(write_row(kv_dtype, copy_bw))
-        rows.append(decode_row(kv_dtype, copy_bw, [512 + 24 * i for i in range(64)], "64 seqs"))
-        rows.append(decode_row(kv_dtype, copy_bw, [8192, 8000, 7000, 6001], "4 seqs x 8k"))
-        rows.append(extend_row(kv_dtype, copy_bw))
+        for kernel, run, extra in (("write", write_row, ()),
+                                   ("decode", decode_row, (short_decodes, "64 seqs")),
+                                   ("decode", decode_row, (long_decodes, "4 seqs x 8k")),
+                                   ("extend", extend_row, ())):  # fmt: skip
+            try:
+                rows.append(run(kv_dtype, copy_bw, *extra))
+            except Exception as e:  # one kernel failing must not hide the others' rows
+                rows.append({"section": "kernels", "kernel": kernel, "kv": kv_dtype,
+                             "case": f"failed: {type(e).__name__}: {e}"[:300]})  # fmt: skip
     return rows
 
 
@@ -275,16 +283,23 @@ def engine_rows(args) -> list[dict]:
             path = model() if callable(model) else model
             tokens = {}  # variant -> greedy ids per batch size
             for variant, backend, graphs in ENGINE_VARIANTS:
-                tokens[variant] = []
-                for row, ids in throughput(path, backend, graphs, args):
-                    rows.append({"section": "engine", "model": label, "backend": variant, **row})
-                    tokens[variant].append(ids)
-            for variant in tokens:
-                same = sum(_agreement(a, b) for a, b in zip(tokens["torch"], tokens[variant],
-                                                             strict=True))  # fmt: skip
+                head = {"section": "engine", "model": label, "backend": variant}
+                if time.monotonic() > args.deadline:
+                    rows.append({**head, "case": "skipped: over --budget-s"})
+                    continue
+                try:
+                    ids_per_batch = []
+                    for row, ids in throughput(path, backend, graphs, args):
+                        rows.append({**head, **row})
+                        ids_per_batch.append(ids)
+                    tokens[variant] = ids_per_batch
+                except Exception as e:  # a first run on new hardware: keep the other variants
+                    rows.append({**head, "case": f"failed: {type(e).__name__}: {e}"[:300]})
+            for variant in tokens if "torch" in tokens else ():
+                same, total = _agreement(tokens["torch"], tokens[variant])
                 rows.append({"section": "engine", "model": label, "backend": variant,
-                             "case": "greedy vs torch, first 16 tokens",
-                             "check": f"{same}/{len(args.batch_sizes)} batches agree"})  # fmt: skip
+                             "case": f"greedy vs torch, first {AGREE_TOKENS} tokens",
+                             "check": f"{same}/{total} sequences agree"})  # fmt: skip
     return rows
 
 
@@ -341,9 +356,13 @@ def throughput(model, backend: str, cuda_graphs: bool, args):
     torch.cuda.empty_cache()
 
 
-def _agreement(a: list[list[int]], b: list[list[int]]) -> bool:
-    """bf16 rounding may flip a near-tie late in a sequence: compare the first 16 tokens."""
-    return all(x[:16] == y[:16] for x, y in zip(a, b, strict=True))
+def _agreement(a: list[list[list[int]]], b: list[list[list[int]]]) -> tuple[int, int]:
+    """(sequences whose first AGREE_TOKENS greedy tokens are equal, sequences), over all
+    batches. Random-token prompts meet near-ties: on the H200, one prompt in four left
+    transformers' own bf16 greedy path at its 3rd token against fp32, so a share, not
+    all-or-nothing, is what tells a broken backend from bf16 rounding."""
+    pairs = [(x, y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True)]
+    return sum(x[:AGREE_TOKENS] == y[:AGREE_TOKENS] for x, y in pairs), len(pairs)
 
 
 # ---- quality ----------------------------------------------------------------------------

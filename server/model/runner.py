@@ -88,6 +88,9 @@ class ModelRunner:
             self.lora_slots = LoRASlots(len(model.layers), module_shapes(model), config.max_loras,
                                         config.max_lora_rank, model.lm_head.weight.dtype, device,
                                         use_triton=device.type == "cuda")  # fmt: skip
+        # None while the profiling prefill runs (into a scratch cache), so that _forward's
+        # "is this the engine's cache?" test reads False instead of raising.
+        self.kv_cache: KVCache | None = None
         self.kv_cache = self._allocate_kv_cache()
 
     # ---- KV cache --------------------------------------------------------------------

@@ -98,3 +98,19 @@ def _clone(kv: KVCache) -> KVCache:
     copy = KVCache.__new__(KVCache)
     copy.__dict__.update({k: v.clone() if torch.is_tensor(v) else v for k, v in vars(kv).items()})
     return copy
+
+
+def test_the_profiling_prefill_runs_on_the_triton_backend(tiny_model, monkeypatch):
+    """On CUDA the KV cache is sized by a prefill into a scratch cache before the engine's
+    cache exists; on the Triton backend that prefill once raised AttributeError (found on
+    the first H200 run). The CPU has no profile step, so this stands in for it: the same
+    prefill, at the same point of start-up."""
+    from batchpilot.server.model.runner import ModelRunner
+
+    def profiled_budget(runner):
+        runner._prefill(list(range(1, 20)), runner._new_kv_cache(2, 0))
+        return 1 << 20
+
+    monkeypatch.setattr(ModelRunner, "_kv_budget_bytes", profiled_budget)
+    llm = LLM(tiny_model, dtype="float32", attention_backend="triton", max_model_len=64)
+    assert llm.engine.runner.kv_cache.num_blocks > 0

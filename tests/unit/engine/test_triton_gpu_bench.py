@@ -32,3 +32,9 @@ def test_table_shows_only_used_columns():
     text = gpu.render(rows)
     assert "12.3" in text and "71%" in text and "1234" in text
     assert "perplexity" not in text and "TFLOP/s" not in text
+
+
+def test_agreement_counts_sequences_over_all_batches():
+    torch_ids = [[[1] * 20], [[2] * 20, [3] * 20]]
+    other = [[[1] * 20], [[2] * 16 + [9] * 4, [3] * 4 + [9] * 16]]  # differs at 17th, 5th
+    assert gpu._agreement(torch_ids, other) == (2, 3)
