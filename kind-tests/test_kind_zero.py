@@ -157,14 +157,7 @@ def run_clients(kind: Kind, namespace: str, name: str, prompts: list[str], strea
 
 
 def client_results(kind: Kind, namespace: str, name: str, timeout: float) -> list[dict]:
-    wait_for(
-        f"client pod {name} to finish",
-        lambda: kind.get("pod", name, "-n", namespace)["status"].get("phase")
-        in ("Succeeded", "Failed"),
-        timeout,
-        interval=3,
-    )  # fmt: skip
-    return json.loads(kind.kubectl("logs", "-n", namespace, name).stdout.strip().splitlines()[-1])
+    return json.loads(client_output(kind, namespace, name, timeout))
 
 
 def activator_forwarded(kind: Kind) -> float:
@@ -191,6 +184,45 @@ def goes_direct(kind: Kind, namespace: str, pod: str) -> bool:
     probe = f"import urllib.request as u; u.urlopen({url!r}, timeout=30).read()"
     kind.kubectl("exec", "-n", namespace, pod, "--", "python3", "-c", probe)
     return activator_forwarded(kind) == before
+
+
+OUTSIDER = """
+import sys, urllib.error, urllib.request
+request = urllib.request.Request(sys.argv[1], headers={"Host": sys.argv[2]})
+try:
+    print(urllib.request.urlopen(request, timeout=60).status)
+except urllib.error.HTTPError as e:
+    print(e.code)
+"""
+
+
+def outsider_status(kind: Kind, namespace: str) -> int:
+    """The status a pod of a fresh namespace gets from the activator's own Service for a
+    request that names the service in `namespace` in its Host header."""
+    other = f"outsider-{namespace[-6:]}"
+    kind.kubectl("create", "namespace", other)
+    url = f"http://{ACTIVATOR}.{OPERATOR_NAMESPACE}.svc.cluster.local:8000/v1/models"
+    kind.apply({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "outsider", "namespace": other},
+        "spec": {"restartPolicy": "Never", "containers": [{
+            "name": "client", "image": OPERATOR_IMAGE, "imagePullPolicy": "Never",
+            "command": ["python3", "-c", OUTSIDER, url, f"{SERVICE}.{namespace}"]}]},
+    })  # fmt: skip
+    try:
+        return int(client_output(kind, other, "outsider", 300))
+    finally:
+        kind.kubectl("delete", "namespace", other, "--wait=false")
+
+
+def client_output(kind: Kind, namespace: str, name: str, timeout: float) -> str:
+    wait_for(
+        f"pod {name} to finish",
+        lambda: kind.get("pod", name, "-n", namespace)["status"].get("phase")
+        in ("Succeeded", "Failed"),
+        timeout,
+        interval=3,
+    )  # fmt: skip
+    return kind.kubectl("logs", "-n", namespace, name).stdout.strip().splitlines()[-1]
 
 
 def condition_time(pod: dict, type_: str) -> float:
@@ -251,6 +283,17 @@ def test_zero_hold_wake_and_off_the_data_path(kind, namespace, zero_service, rep
     # Greedy outputs: what was held is what the replica answers directly.
     assert [r["text"] for r in cold] == [r["text"] for r in warm]
     assert activator_forwarded(kind) == forwarded, "the activator is still on the data path"
+
+    # ---- a pod of another namespace cannot reach the (now scaled-up) service through the
+    # activator: it acts only for services routed to it (security finding 1)
+    woken_at = (
+        kind.get(PLURAL, SERVICE, "-n", namespace)["metadata"]
+        .get("annotations", {})
+        .get(WAKE_ANNOTATION)
+    )
+    assert outsider_status(kind, namespace) == 404
+    after = kind.get(PLURAL, SERVICE, "-n", namespace)["metadata"].get("annotations", {})
+    assert after.get(WAKE_ANNOTATION) == woken_at, "a refused request woke the service"
 
     # ---- the cold start, broken down
     record = cold_start(kind, namespace, pod, cold, at_zero)

@@ -12,8 +12,10 @@ import logging
 import signal
 
 from batchpilot.operator.activator.proxy import (
+    BODY_READ_TIMEOUT_SECONDS,
     HOLD_TIMEOUT_SECONDS,
     MAX_BODY_BYTES,
+    MAX_CONNECTIONS,
     MAX_HELD_BYTES,
     MAX_HELD_PER_SERVICE,
     Activator,
@@ -38,6 +40,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cluster-domain",
         default="cluster.local",
         help="Host headers <name>.<namespace>.svc.<this> name a service (default cluster.local)",
+    )
+    parser.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        metavar="NS",
+        dest="namespaces",
+        help="a namespace whose services it serves (repeat it; the operator's "
+        "watchNamespaces); none: every namespace",
+    )
+    _add_bounds(parser)
+
+
+def _add_bounds(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-connections",
+        type=_positive(int),
+        default=MAX_CONNECTIONS,
+        metavar="N",
+        help=f"connections at once; beyond, 503 before reading (default {MAX_CONNECTIONS})",
+    )
+    parser.add_argument(
+        "--body-read-timeout-seconds",
+        type=_positive(float),
+        default=BODY_READ_TIMEOUT_SECONDS,
+        metavar="SECONDS",
+        help=f"a request body slower than this gets 408 (default {BODY_READ_TIMEOUT_SECONDS:g})",
     )
     parser.add_argument(
         "--max-held-per-service",
@@ -77,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     from batchpilot.operator.kube import new_api_client
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    targets = KubeTargets(new_api_client())
+    targets = KubeTargets(new_api_client(), args.namespaces, args.cluster_domain)
+    targets.start()
     app = Activator(
         targets.resolve,
         targets.wake,
@@ -86,9 +116,13 @@ def run(args: argparse.Namespace) -> int:
         hold_timeout=args.hold_timeout_seconds,
         max_body_bytes=args.max_body_bytes,
         max_held_bytes=args.max_held_bytes,
-        cluster_domain=args.cluster_domain,
+        max_connections=args.max_connections,
+        body_read_timeout=args.body_read_timeout_seconds,
     )
-    asyncio.run(_serve(app, args.host, args.port))
+    try:
+        asyncio.run(_serve(app, args.host, args.port))
+    finally:
+        targets.stop()
     return 0
 
 

@@ -3,19 +3,19 @@
 It holds each request, asks for a replica (``wake``), waits until one is Ready
 (``endpoints``) and then forwards the held requests to it in arrival order, streaming the
 answers back. One activator serves every service; the Host header says which one a request
-is for. The Kubernetes side (``resolve``, ``wake``, ``endpoints``) is passed in as plain
+is for, and ``resolve`` says whether the activator acts for it at all: a Host it refuses
+gets a 404 at once and leaves nothing behind (no hold, no wake, no state, no metric
+series). The Kubernetes side (``resolve``, ``wake``, ``endpoints``) is passed in as plain
 callables, sync or async: kube.py has the real ones, tests their own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
-import ipaddress
 import logging
-import re
 import time
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -34,6 +34,8 @@ from prometheus_client import (
 )
 
 from batchpilot.operator.activator.hold_queue import HoldQueue, QueueFull
+from batchpilot.operator.activator.hosts import Target, host_name
+from batchpilot.operator.activator.listener import LimitedServer, Runner
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +45,16 @@ MAX_BODY_BYTES = 4 << 20  # the server's own bound (--max-request-body-bytes)
 # The bodies held at once, over every service: the per-service count alone would let 256
 # requests of 4 MiB each past a 512 MiB pod limit, and an OOM kill loses every held request.
 MAX_HELD_BYTES = 128 << 20
-# Services remembered at once: any Host of the <name>.<namespace> form makes an entry, so
-# entries with nothing held are dropped past this, and a new one is refused (503) when all
-# of them hold requests.
+# Services remembered at once (only those resolve() accepts make an entry): entries with
+# nothing held are dropped past this, and a new one is refused (503) when all hold requests.
 MAX_SERVICES = 1024
+# Connections at once; past this a new one gets a 503 before a byte of it is read. Each
+# costs a few KiB of buffers, and a client holding many open must not starve the rest.
+MAX_CONNECTIONS = 4096
+# A request body must arrive within this (a slow sender holds its bytes in our memory);
+# beyond, 408. Idle keep-alive connections are closed after KEEPALIVE_SECONDS.
+BODY_READ_TIMEOUT_SECONDS = 30.0
+KEEPALIVE_SECONDS = 15.0
 # While requests are held, `wake` is asked again this often (an annotation patch whose
 # first attempt failed, or that the operator missed, gets another chance) ...
 WAKE_INTERVAL_SECONDS = 5.0
@@ -56,6 +64,7 @@ POLL_INTERVAL_SECONDS = 0.5
 # What a client refused for a full queue is told to wait: a cold start takes tens of
 # seconds, so a retry sooner mostly finds the queue still full.
 RETRY_AFTER_SECONDS = 5
+RETRY_AFTER = {"Retry-After": str(RETRY_AFTER_SECONDS)}
 CONNECT_TIMEOUT_SECONDS = 10.0
 BODY_CHUNK_BYTES = 64 << 10
 
@@ -66,24 +75,24 @@ TIMED_OUT = "timed_out"
 DISCONNECTED = "disconnected"
 NOT_FOUND = "not_found"
 TOO_LARGE = "too_large"
+BAD_REQUEST = "bad_request"
 
 # RFC 9110's connection-specific headers: they describe one hop, never the next.
 HOP_BY_HOP = frozenset(
     ["connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
      "trailer", "transfer-encoding", "upgrade"]
 )  # fmt: skip
-DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 # The types the server's errors carry (vLLM's names), for the statuses the activator sends.
 ERROR_TYPES = {
+    400: "BadRequestError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     429: "RateLimitError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
 }
-
-Target = tuple[str, str]  # (namespace, name)
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None):
@@ -105,38 +114,6 @@ class Refused(Exception):
         return error_response(self.status, self.message, self.headers)
 
 
-def parse_host(host: str, cluster_domain: str = "cluster.local") -> Target | None:
-    """(namespace, name) of a Service DNS name in a Host header: <name>.<namespace>,
-    <name>.<namespace>.svc or <name>.<namespace>.svc.<cluster_domain>, any port. None for
-    anything else, a bare name or an IP included (those need the resolver)."""
-    hostname = host_name(host)
-    if not hostname or is_ip(hostname):
-        return None
-    name, _, rest = hostname.partition(".")
-    namespace, _, suffix = rest.partition(".")
-    if suffix not in ("", "svc", f"svc.{cluster_domain}"):
-        return None
-    if not (DNS_LABEL.fullmatch(name) and DNS_LABEL.fullmatch(namespace)):
-        return None
-    return namespace, name
-
-
-def host_name(host: str) -> str:
-    """The Host header without its port or IPv6 brackets, lowercase, no trailing dot."""
-    try:
-        return (urllib.parse.urlsplit("//" + host).hostname or "").rstrip(".")
-    except ValueError:  # an unbalanced IPv6 bracket
-        return ""
-
-
-def is_ip(hostname: str) -> bool:
-    try:
-        ipaddress.ip_address(hostname)
-    except ValueError:
-        return False
-    return True
-
-
 def end_to_end(headers: CIMultiDictProxy[str], *also_drop: str) -> CIMultiDict[str]:
     """The headers minus hop-by-hop ones (those a Connection header names included)."""
     named = {h.strip().lower() for h in headers.get("Connection", "").split(",")}
@@ -148,19 +125,6 @@ async def call(fn: Callable, *args):
     """Call a sync or an async callable alike."""
     result = fn(*args)
     return await result if inspect.isawaitable(result) else result
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole body, or 413 as soon as it is known to exceed ``limit``."""
-    too_large = Refused(413, f"The request body exceeds {limit} bytes", TOO_LARGE)
-    if request.content_length is not None and request.content_length > limit:
-        raise too_large
-    body = bytearray()
-    async for chunk in request.content.iter_chunked(BODY_CHUNK_BYTES):
-        body += chunk
-        if len(body) > limit:
-            raise too_large
-    return bytes(body)
 
 
 class ActivatorMetrics:
@@ -177,7 +141,8 @@ class ActivatorMetrics:
         self.requests = Counter(
             "batchpilot_activator_requests",
             "Requests per service by outcome: forwarded, rejected_full, timed_out, "
-            "disconnected, too_large, not_found (service labels empty: no service matched)",
+            "disconnected, too_large, bad_request, not_found (service labels empty: no "
+            "service the activator acts for matched)",
             ["namespace", "service", "outcome"],
             registry=self.registry,
         )
@@ -187,6 +152,15 @@ class ActivatorMetrics:
             buckets=(0.01, 0.1, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300),
             registry=self.registry,
         )
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop a forgotten service's series: they exist only for services it acts for."""
+        with contextlib.suppress(KeyError):  # never held
+            self.held.remove(namespace, name)
+        for outcome in (FORWARDED, REJECTED_FULL, TIMED_OUT, DISCONNECTED, TOO_LARGE,
+                        BAD_REQUEST, NOT_FOUND):  # fmt: skip
+            with contextlib.suppress(KeyError):  # that outcome never happened
+                self.requests.remove(namespace, name, outcome)
 
 
 @dataclass
@@ -210,10 +184,11 @@ class Service:
 
 
 class Activator:
-    """``resolve(host) -> (namespace, name) | None``: a bare service name or an IP (no
-    port) -> its service. ``wake(namespace, name)``: ask for a replica.
-    ``endpoints(namespace, name) -> list[str]``: base URLs of the Ready replicas, like
-    http://10.244.0.7:8000. Each may be sync or async."""
+    """``resolve(hostname, client_ip) -> (namespace, name) | None``: the service a Host
+    (without its port) names for a client, if the activator acts for it; None: 404.
+    ``wake(namespace, name)``: ask for a replica. ``endpoints(namespace, name) ->
+    list[str]``: base URLs of the Ready replicas, like http://10.244.0.7:8000. Each may be
+    sync or async."""
 
     def __init__(
         self,
@@ -225,7 +200,8 @@ class Activator:
         hold_timeout: float = HOLD_TIMEOUT_SECONDS,
         max_body_bytes: int = MAX_BODY_BYTES,
         max_held_bytes: int = MAX_HELD_BYTES,
-        cluster_domain: str = "cluster.local",
+        max_connections: int = MAX_CONNECTIONS,
+        body_read_timeout: float = BODY_READ_TIMEOUT_SECONDS,
         wake_interval: float = WAKE_INTERVAL_SECONDS,
         poll_interval: float = POLL_INTERVAL_SECONDS,
     ):
@@ -234,33 +210,35 @@ class Activator:
         self.hold_timeout = hold_timeout
         self.max_body_bytes = max_body_bytes
         self.max_held_bytes = max_held_bytes
-        self.held_bytes = 0
-        self.cluster_domain = cluster_domain
+        self.held_bytes = 0  # bodies in memory: being read, held, or being forwarded
+        self.max_connections = max_connections
+        self.body_read_timeout = body_read_timeout
         self.wake_interval = wake_interval
         self.poll_interval = poll_interval
         self.metrics = ActivatorMetrics()
         self.services: dict[Target, Service] = {}
         self._session: aiohttp.ClientSession | None = None
 
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_route("*", "/{path:.*}", self._proxy)
-        app.on_startup.append(self._open_session)
-        app.on_cleanup.append(self._close)
-        return app
-
-    async def start(self, host: str, port: int) -> web.AppRunner:
+    async def start(self, host: str, port: int) -> web.BaseRunner:
         """Serve on host:port (0: any free port, see the runner's ``addresses``)."""
         # A client that goes away cancels its handler: a held request leaves the queue,
         # a forwarded one closes its upstream connection (the server then aborts it).
-        runner = web.AppRunner(self.app(), handler_cancellation=True, shutdown_timeout=5.0)
+        server = LimitedServer(self._route, max_connections=self.max_connections,
+                               handler_cancellation=True, keepalive_timeout=KEEPALIVE_SECONDS)  # fmt: skip
+        runner = Runner(server, self._close, shutdown_timeout=5.0)
         await runner.setup()
+        self._open_session()
         await web.TCPSite(runner, host, port).start()
         return runner
 
-    async def _open_session(self, _: web.Application) -> None:
+    async def _route(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.method == "GET" and request.path == "/healthz":
+            return await self._healthz(request)
+        if request.method == "GET" and request.path == "/metrics":
+            return await self._metrics(request)
+        return await self._proxy(request)
+
+    def _open_session(self) -> None:
         # No cookie jar: one session serves every client. No decompression: bodies pass
         # through byte for byte, Content-Length and Content-Encoding stay true.
         self._session = aiohttp.ClientSession(
@@ -270,23 +248,26 @@ class Activator:
             auto_decompress=False,
         )
 
-    async def _close(self, _: web.Application) -> None:
+    async def _close(self) -> None:
         for service in self.services.values():
             if service.poller:
                 service.poller.cancel()
         if self._session:
             await self._session.close()
 
-    async def _healthz(self, _: web.Request) -> web.Response:
+    async def _healthz(self, _: web.BaseRequest) -> web.Response:
         return web.json_response({})
 
-    async def _metrics(self, _: web.Request) -> web.Response:
+    async def _metrics(self, _: web.BaseRequest) -> web.Response:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ------------------------------------------------------------------ one request
 
-    async def _proxy(self, request: web.Request) -> web.StreamResponse:
+    async def _proxy(self, request: web.BaseRequest) -> web.StreamResponse:
+        if not request.raw_path.startswith("/"):  # absolute-form or '*': not for a server
+            self._count(None, BAD_REQUEST)
+            return error_response(400, "The request target must be a path (origin-form)")
         if not request.path.startswith("/v1/"):
             self._count(None, NOT_FOUND)
             return error_response(404, f"Not found: {request.path}")
@@ -295,20 +276,28 @@ class Activator:
                 405, f"Method not allowed: {request.method}", {"Allow": "GET, POST"}
             )
         try:
-            service = await self._service_of(request.host)
+            service = await self._service_of(request)
         except Refused as refused:
             self._count(None, refused.outcome)
             return refused.response()
-        except Exception as e:  # the API server, most likely: a retry may well succeed
+        except Exception as e:  # not synced, or the API server: a retry may well succeed
             logger.warning("resolving %r: %r", request.host, e)
             return error_response(503, f"Could not look up the service of {request.host!r}")
         if service is None:
             self._count(None, NOT_FOUND)
-            return error_response(404, f"No InferenceService answers to the host {request.host!r}")
+            return error_response(404, f"No service at zero answers to the host {request.host!r}")
+        body = bytearray()  # counted in held_bytes from its first byte until forwarded
+        try:
+            return await self._hold_and_forward(request, service, body)
+        finally:
+            self.held_bytes -= len(body)
+
+    async def _hold_and_forward(self, request: web.BaseRequest, service: Service,
+                                body: bytearray) -> web.StreamResponse:  # fmt: skip
         arrived = time.monotonic()
         try:
-            body = await read_body(request, self.max_body_bytes)
-            backend = await self._backend_for(service, arrived, len(body))
+            await self._read_body(request, body)
+            backend = await self._backend_for(service, arrived)
         except Refused as refused:
             self._count(service, refused.outcome)
             return refused.response()
@@ -317,13 +306,30 @@ class Activator:
             raise
         self._count(service, FORWARDED)
         self.metrics.hold_seconds.observe(time.monotonic() - arrived)
-        return await self._forward(request, body, backend)
+        return await self._forward(request, bytes(body), backend)
 
-    async def _service_of(self, host: str) -> Service | None:
-        target = parse_host(host, self.cluster_domain)
-        hostname = host_name(host)
-        if target is None and (is_ip(hostname) or DNS_LABEL.fullmatch(hostname)):
-            target = await call(self.resolve, hostname)
+    async def _read_body(self, request: web.BaseRequest, body: bytearray) -> None:
+        """Read the body into ``body``, each chunk counted at once against the service's
+        bound (413) and every body in memory (429); 408 if it is slower than the timeout."""
+        limit = self.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise Refused(413, f"The request body exceeds {limit} bytes", TOO_LARGE)
+        try:
+            async with asyncio.timeout(self.body_read_timeout):
+                async for chunk in request.content.iter_chunked(BODY_CHUNK_BYTES):
+                    if len(body) + len(chunk) > limit:
+                        raise Refused(413, f"The request body exceeds {limit} bytes", TOO_LARGE)
+                    if self.held_bytes + len(chunk) > self.max_held_bytes:
+                        message = f"{self.held_bytes} bytes of requests are already in memory"
+                        raise Refused(429, message, REJECTED_FULL, RETRY_AFTER)
+                    body += chunk
+                    self.held_bytes += len(chunk)
+        except TimeoutError:
+            message = f"The request body did not arrive within {self.body_read_timeout:g} s"
+            raise Refused(408, message, BAD_REQUEST) from None
+
+    async def _service_of(self, request: web.BaseRequest) -> Service | None:
+        target = await call(self.resolve, host_name(request.host), request.remote or "")
         if target is None:
             return None
         if target not in self.services:
@@ -339,23 +345,18 @@ class Activator:
         for target, service in list(self.services.items()):
             if not service.queue and (service.poller is None or service.poller.done()):
                 del self.services[target]
+                self.metrics.forget(*target)
 
-    async def _backend_for(self, service: Service, arrived: float, size: int) -> str:
+    async def _backend_for(self, service: Service, arrived: float) -> str:
         """A Ready backend at once when there is one and nothing is held before this
-        request; else hold it (its ``size`` bytes of body) until one is, or until the hold
-        timeout."""
+        request; else hold it until one is, or until the hold timeout."""
         if not service.queue and await self._refresh(service):
             return service.next_backend()
-        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
-        if self.held_bytes + size > self.max_held_bytes:
-            message = f"{self.held_bytes} bytes of requests are already waiting for replicas"
-            raise Refused(429, message, REJECTED_FULL, headers)
         try:
             future = service.queue.hold()
         except QueueFull:
             message = f"{service.queue.limit} requests are already waiting for a replica"
-            raise Refused(429, message, REJECTED_FULL, headers) from None
-        self.held_bytes += size
+            raise Refused(429, message, REJECTED_FULL, RETRY_AFTER) from None
         self._held_changed(service)
         if service.poller is None or service.poller.done():
             service.poller = asyncio.create_task(self._poll(service))
@@ -367,10 +368,9 @@ class Activator:
             raise Refused(503, message, TIMED_OUT) from None
         finally:
             service.queue.drop(future)
-            self.held_bytes -= size
             self._held_changed(service)
 
-    async def _forward(self, request: web.Request, body: bytes, backend: str):
+    async def _forward(self, request: web.BaseRequest, body: bytes, backend: str):
         """Pass the request on and stream the answer back as it arrives (SSE chunk by
         chunk). The status and headers are the backend's, hop-by-hop ones aside."""
         assert self._session is not None

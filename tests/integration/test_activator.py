@@ -41,8 +41,9 @@ class Replicas:
         self.url, self.ready = url, ready
         self.wakes: list[tuple[str, str]] = []
 
-    def resolve(self, host: str) -> None:
-        return None  # the tests always name the service in full
+    def resolve(self, host: str, client_ip: str) -> tuple[str, str] | None:
+        """The routed service: the tests always name it in full."""
+        return ("team-a", "chat") if host == HOST else None
 
     def wake(self, namespace: str, name: str) -> None:
         self.wakes.append((namespace, name))

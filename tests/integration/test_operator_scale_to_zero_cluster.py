@@ -19,12 +19,14 @@ import pytest
 from kubernetes import client
 
 from batchpilot.operator.activator.kube import KubeTargets
-from batchpilot.operator.children.meta import selector_labels
+from batchpilot.operator.children.meta import Owner, selector_labels
 from batchpilot.operator.children.service import (
     SLICE_SERVICE_NAME,
+    build_activator_slice,
     controller_slices_selector,
     service_selector,
 )
+from batchpilot.operator.children.service import Activator as SliceActivator
 from batchpilot.operator.loop.idle import WAKE_ANNOTATION
 from batchpilot.operator.loop.timestamps import parse_timestamp, timestamp
 from tests.support.cluster import Api, loop_operator, not_found, operator, server, start
@@ -186,29 +188,78 @@ def test_idle_to_zero_through_the_activator_and_back(api, tiny_path, tmp_path):
 
 
 def test_the_activators_kubernetes_adapter(api, k8s):
-    """KubeTargets as the activator runs it: a bare name and a ClusterIP resolve to the
-    service, endpoints are its Ready pods on the serving port, and wake annotates it."""
+    """KubeTargets as the activator runs it, from its watches: a service that is up is not
+    the activator's, whatever the Host (security finding 1); once the operator's slice
+    routes it here, its full name, its ClusterIP and, from a pod of its namespace, its bare
+    name resolve; a flood of made-up hosts costs the API server nothing; endpoints are its
+    Ready pods on the serving port, and wake annotates it."""
 
     name = f"adapter-{api.ns[-6:]}"  # the cluster is shared: a name no other test uses
-    with operator(api):
+    with operator(api, cleanup=False):
         api.create(name, {"replicas": 1})
         wait_for("Ready", lambda: api.ready(name), timeout=180, not_yet=not_found)
-        targets = KubeTargets(client.ApiClient(k8s.api.configuration))
+    # The operator is stopped (its children stay): it would delete a routing slice of a
+    # service that is up.
+    api_client = client.ApiClient(k8s.api.configuration)
+    targets = KubeTargets(api_client, [api.ns])
+    targets.start()
+    try:
+        wait_for("the watches listed", lambda: targets.routes.synced, timeout=60)
         cluster_ip = api.core.read_namespaced_service(name, api.ns).spec.cluster_ip
-
-        async def ask():
-            return (
-                await targets.resolve(name),
-                await targets.resolve(cluster_ip),
-                await targets.resolve("nosuch"),
-                await targets.endpoints(api.ns, name),
-            )
-
-        by_name, by_ip, unknown, urls = asyncio.run(ask())
-        assert by_name == by_ip == (api.ns, name) and unknown is None
         pods = api.core.list_namespaced_pod(api.ns, label_selector=f"batchpilot.dev/service={name}")
-        assert urls == [f"http://{p.status.pod_ip}:8000" for p in pods.items]
+        pod_ip = pods.items[0].status.pod_ip
+        hosts = [f"{name}.{api.ns}", f"{name}.{api.ns}.svc.cluster.local", cluster_ip, name]
+
+        def resolve_all(client_ip: str) -> list:
+            return asyncio.run(_resolve_each(targets, hosts, client_ip))
+
+        assert resolve_all(pod_ip) == [None] * 4  # up, not routed: not the activator's
+
+        owner = Owner.from_body(api.get(name))
+        routing = build_activator_slice(owner, SliceActivator((ACTIVATOR_IP,), ACTIVATOR_PORT))
+        client.DiscoveryV1Api(api_client).create_namespaced_endpoint_slice(api.ns, routing)
+        wait_for("routed", lambda: targets.routes.is_routed((api.ns, name)), timeout=60)
+        assert resolve_all(pod_ip) == [(api.ns, name)] * 4
+        # A bare name from a client outside the namespace's pods: not resolved.
+        assert resolve_all("10.250.0.9")[3] is None
+
+        calls = count_api_calls(api_client)
+        junk = [f"svc-{i}.ns-{i}" for i in range(500)] + [f"svc-{i}" for i in range(500)]
+        assert set(asyncio.run(_resolve_each(targets, junk, pod_ip))) == {None}
+        assert calls == [], calls[:3]
+
+        assert asyncio.run(targets.endpoints(api.ns, name)) == [
+            f"http://{p.status.pod_ip}:8000" for p in pods.items
+        ]
         before = time.time()
         asyncio.run(targets.wake(api.ns, name))
         stamp = api.get(name)["metadata"]["annotations"][WAKE_ANNOTATION]
         assert before - 1 <= parse_timestamp(stamp) <= time.time() + 1
+    finally:
+        targets.stop()
+
+    other = KubeTargets(api_client, ["some-other-namespace"])
+    other.start()
+    try:
+        wait_for("the watches listed", lambda: other.routes.synced, timeout=60)
+        assert asyncio.run(_resolve_each(other, [f"{name}.{api.ns}"], pod_ip)) == [None]
+    finally:
+        other.stop()
+
+
+async def _resolve_each(targets: KubeTargets, hosts: list[str], client_ip: str) -> list:
+    return [await targets.resolve(host, client_ip) for host in hosts]
+
+
+def count_api_calls(api_client: client.ApiClient) -> list[tuple]:
+    """The API calls made through api_client from now on (the watches' streams, opened
+    before, are not new calls)."""
+    calls: list[tuple] = []
+    call_api = api_client.call_api
+
+    def counted(resource_path, method, *args, **kwargs):
+        calls.append((method, resource_path))
+        return call_api(resource_path, method, *args, **kwargs)
+
+    api_client.call_api = counted
+    return calls

@@ -18,7 +18,8 @@ import pytest
 from aiohttp import web
 
 from batchpilot.operator.activator.hold_queue import HoldQueue, QueueFull
-from batchpilot.operator.activator.proxy import Activator, parse_host
+from batchpilot.operator.activator.hosts import parse_host
+from batchpilot.operator.activator.proxy import Activator
 from tests.support.wait import eventually
 
 HOST = "chat.team-a"
@@ -48,11 +49,14 @@ class Kube:
         self.wakes: list[tuple[str, str]] = []
         self.resolved: list[str] = []
 
-    def resolve(self, host: str):
+    def resolve(self, host: str, client_ip: str):
+        """As KubeTargets: only the routed service (TARGET), by any of its names."""
         self.resolved.append(host)
+        assert client_ip == "127.0.0.1"
         if host == "flaky":
             raise RuntimeError("API server unreachable")
-        return TARGET if host in ("chat", "10.96.0.5", "fd00::5") else None
+        named = parse_host(host) or (TARGET if host in ("chat", "10.96.0.5", "fd00::5") else None)
+        return named if named == TARGET else None
 
     async def wake(self, namespace: str, name: str) -> None:
         self.wakes.append((namespace, name))
@@ -159,7 +163,7 @@ def test_host_header_forms(host, target):
     assert parse_host(host, "cluster.local") == target
 
 
-def test_bare_names_and_ips_go_to_the_resolver_and_unknown_hosts_get_404():
+def test_every_host_goes_to_the_resolver_and_those_it_refuses_get_404_and_no_state():
     kube = Kube()
 
     async def main():
@@ -168,21 +172,30 @@ def test_bare_names_and_ips_go_to_the_resolver_and_unknown_hosts_get_404():
             for host in ("chat:8000", "10.96.0.5:8000", "[fd00::5]:80", "chat.team-a.svc"):
                 status, _, body = await get_json(session, headers={"Host": host})
                 assert (status, body["replica"]) == (201, "replica"), host
-            for host in ("nope", "10.0.0.1", "a.b.example.com"):
+            for host in ("nope", "10.0.0.1", "a.b.example.com", "chat.team-b", "x.team-a"):
                 status, _, body = await get_json(session, headers={"Host": host})
                 assert status == 404, host
                 assert_openai_error(body, 404, "NotFoundError")
+            assert list(act.services) == [TARGET]  # nothing kept for the refused hosts
             status, _, body = await get_json(session, "/admin/config")
             assert status == 404
             status, _, body = await get_json(session, headers={"Host": "flaky"})
             assert status == 503  # a lookup that failed may succeed on a retry
             assert_openai_error(body, 503, "ServiceUnavailableError")
-            assert count(act, "not_found", {"namespace": "", "service": ""}) == 4
+            assert count(act, "not_found", {"namespace": "", "service": ""}) == 6
             assert count(act, "forwarded") == 4
+            assert series_services(act) == {("", ""), TARGET}
 
     asyncio.run(main())
-    # a.b.example.com is neither a Service's name nor a bare one: never resolved
-    assert kube.resolved == ["chat", "10.96.0.5", "fd00::5", "nope", "10.0.0.1", "flaky"]
+    assert kube.resolved == ["chat", "10.96.0.5", "fd00::5", "chat.team-a.svc", "nope",
+                             "10.0.0.1", "a.b.example.com", "chat.team-b", "x.team-a", "flaky"]  # fmt: skip
+
+
+def series_services(act: Activator) -> set[tuple[str, str]]:
+    """The (namespace, service) label pairs of every series the activator exports."""
+    return {(s.labels["namespace"], s.labels["service"])
+            for metric in act.metrics.registry.collect() for s in metric.samples
+            if "namespace" in s.labels}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the queue
@@ -404,3 +417,104 @@ def test_streams_pass_chunk_by_chunk_and_a_client_leaving_aborts_the_upstream_re
             await asyncio.wait_for(gone.wait(), TIMEOUT)
 
     asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- the bounds
+
+
+async def raw_exchange(port: int, data: bytes, wait: float = TIMEOUT) -> bytes:
+    """Send raw bytes, then read what comes back until the activator closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(), wait)
+    finally:
+        writer.close()
+
+
+def port_of(session: aiohttp.ClientSession) -> int:
+    return session._base_url.port  # the activator fixture's
+
+
+def test_a_body_slower_than_the_read_timeout_gets_408_and_frees_its_bytes():
+    async def main():
+        async with activator(Kube(), body_read_timeout=0.5) as (act, session):
+            head = (b"POST /v1/completions HTTP/1.1\r\nHost: chat.team-a\r\n"
+                    b"Content-Length: 100\r\n\r\n" + b"x" * 10)  # fmt: skip
+            started = time.monotonic()
+            answer = await raw_exchange(port_of(session), head)
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
+            assert time.monotonic() - started < TIMEOUT / 2
+            assert act.held_bytes == 0 and not held(act)
+
+    asyncio.run(main())
+
+
+def test_past_the_connection_limit_a_new_connection_gets_503_at_once():
+    async def main():
+        async with activator(Kube(), max_connections=2) as (_, session):
+            port = port_of(session)
+            idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+            answer = await raw_exchange(
+                port, b"GET /v1/models HTTP/1.1\r\nHost: chat.team-a\r\n\r\n"
+            )
+            assert answer.startswith(b"HTTP/1.1 503"), answer[:80]
+            assert b"Too many connections" in answer
+            for _, writer in idle:
+                writer.close()
+            # Once they are gone, a connection is served again (the server notices the
+            # close on its next loop turns).
+            deadline = time.monotonic() + TIMEOUT
+            while (status := (await get_json(session, headers={"Host": "nope"}))[0]) == 503:
+                assert time.monotonic() < deadline, "connections never freed"
+                await asyncio.sleep(0.05)
+            assert status == 404
+
+    asyncio.run(main())
+
+
+def test_an_absolute_form_target_gets_400_and_is_not_forwarded():
+    async def main():
+        kube = Kube()
+        async with activator(kube) as (act, session):
+            request = b"GET http://chat.team-a/v1/models HTTP/1.1\r\nHost: chat.team-a\r\n\r\n"
+            answer = await raw_exchange(port_of(session), request)
+            assert answer.startswith(b"HTTP/1.1 400"), answer[:80]
+            assert not count(act, "forwarded") and kube.wakes == []
+
+    asyncio.run(main())
+
+
+def test_a_forwarded_body_stays_counted_until_its_answer_is_done():
+    release = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        await request.read()
+        await release.wait()
+        return web.json_response({}, status=200)
+
+    slow_replica = web.Application()
+    slow_replica.router.add_post("/v1/completions", slow)
+
+    async def main():
+        kube = Kube()
+        async with replica(slow_replica) as url, activator(kube) as (act, session):
+            kube.backends = [url]
+            sent = asyncio.create_task(session.post("/v1/completions", data=b"z" * 700))
+            await eventually("the body forwarded", lambda: count(act, "forwarded") == 1)
+            assert act.held_bytes == 700  # in memory until the answer is done
+            release.set()
+            async with await asyncio.wait_for(sent, TIMEOUT) as resp:
+                assert resp.status == 200
+            await eventually("the bytes freed", lambda: act.held_bytes == 0)
+
+    asyncio.run(main())
+
+
+def test_a_forgotten_service_leaves_no_series():
+    act = Activator(Kube().resolve, Kube().wake, Kube().endpoints)
+    act.metrics.requests.labels(*TARGET, "forwarded").inc()
+    act.metrics.held.labels(*TARGET).set(0)
+    act.metrics.forget(*TARGET)
+    assert series_services(act) == set()
