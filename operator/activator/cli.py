@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         max_held_bytes=args.max_held_bytes,
         max_connections=args.max_connections,
         body_read_timeout=args.body_read_timeout_seconds,
+        ready=lambda: targets.routes.synced,
     )
     try:
         asyncio.run(_serve(app, args.host, args.port))

@@ -204,8 +204,10 @@ class Activator:
         body_read_timeout: float = BODY_READ_TIMEOUT_SECONDS,
         wake_interval: float = WAKE_INTERVAL_SECONDS,
         poll_interval: float = POLL_INTERVAL_SECONDS,
+        ready: Callable[[], bool] = lambda: True,
     ):
         self.resolve, self.wake, self.endpoints = resolve, wake, endpoints
+        self.ready = ready  # /readyz: False until resolve can answer (the watches listed)
         self.max_held_per_service = max_held_per_service
         self.hold_timeout = hold_timeout
         self.max_body_bytes = max_body_bytes
@@ -234,6 +236,8 @@ class Activator:
     async def _route(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.method == "GET" and request.path == "/healthz":
             return await self._healthz(request)
+        if request.method == "GET" and request.path == "/readyz":
+            return web.json_response({}, status=200 if self.ready() else 503)
         if request.method == "GET" and request.path == "/metrics":
             return await self._metrics(request)
         return await self._proxy(request)

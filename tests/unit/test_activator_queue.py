@@ -518,3 +518,33 @@ def test_a_forgotten_service_leaves_no_series():
     act.metrics.held.labels(*TARGET).set(0)
     act.metrics.forget(*TARGET)
     assert series_services(act) == set()
+
+
+def test_readyz_answers_503_until_the_activator_can_resolve():
+    synced = []
+
+    async def main():
+        act_options = {"ready": lambda: bool(synced)}
+        async with activator(Kube(), **act_options) as (_, session):
+            async with session.get("/readyz") as resp:
+                assert resp.status == 503
+            synced.append(True)
+            async with session.get("/readyz") as resp:
+                assert resp.status == 200
+            async with session.get("/healthz") as resp:
+                assert resp.status == 200  # liveness does not depend on the API server
+
+    asyncio.run(main())
+
+
+def test_an_oversized_header_gets_400_before_any_lookup():
+    async def main():
+        kube = Kube()
+        async with activator(kube) as (_, session):
+            flood = b"X-Big: " + b"a" * 64_000 + b"\r\n"
+            request = b"GET /v1/models HTTP/1.1\r\nHost: chat.team-a\r\n" + flood + b"\r\n"
+            answer = await raw_exchange(port_of(session), request)
+            assert answer.split(b" ", 2)[1] == b"400", answer[:80]  # aiohttp's own, HTTP/1.0
+            assert kube.resolved == []
+
+    asyncio.run(main())
