@@ -1,8 +1,8 @@
 """Write charts/batchpilot/files/rbac-rules.yaml from operator/rbac.py (the one source of the
 operator's permissions), and files/activator-rbac-rules.yaml from its ACTIVATOR_PERMISSIONS
-(the activator's, bound cluster-wide to the activator's own ServiceAccount). `make chart` runs
-it; tests/integration/test_chart.py fails when a file is stale and checks that the chart's
-rendered Roles grant exactly these rules.
+(the activator's, bound to the activator's own ServiceAccount: cluster-wide, or with a Role
+in each watched namespace). `make chart` runs it; tests/integration/test_chart.py fails when
+a file is stale and checks that the chart's rendered Roles grant exactly these rules.
 
 The chart binds the cluster-scoped resources with a ClusterRole and, in watchNamespaces mode,
 the namespaced ones with a Role per namespace, so each rule is split by scope here.
@@ -90,7 +90,8 @@ def render() -> str:
 def render_activator() -> str:
     header = (
         "# Generated from ACTIVATOR_PERMISSIONS in operator/rbac.py by charts/gen_rbac.py\n"
-        "# (`make chart`): do not edit. The activator's ClusterRole, bound cluster-wide.\n"
+        "# (`make chart`): do not edit. The activator's rules: a ClusterRole, or with\n"
+        "# watchNamespaces a Role in each watched namespace.\n"
     )
     rules = json.loads(json.dumps(rbac.ACTIVATOR_PERMISSIONS))
     return header + yaml.safe_dump(

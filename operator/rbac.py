@@ -54,12 +54,25 @@ RULES: list[dict] = [
 ]  # fmt: skip
 
 
-# The activator's (`batchpilot activator`, operator/activator/kube.py): it resolves a held
-# request's Host to an InferenceService, asks for a replica by annotating it (wake), and
-# forwards to the service's Ready pods. The chart binds these to its own ServiceAccount.
+# The activator's (`batchpilot activator`, operator/activator/kube.py), and nothing more. The
+# chart binds these to its own ServiceAccount: with a ClusterRole when it serves every
+# namespace, with a Role in each served namespace otherwise (`--namespace`, watchNamespaces).
 ACTIVATOR_PERMISSIONS: list[dict] = [
-    {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "list", "patch"]},
-    {"apiGroups": [""], "resources": ["pods", "services"], "verbs": ["list"]},
+    # Asking for a replica: a JSON merge patch of one annotation,
+    # batchpilot.dev/wake-requested-at. RBAC cannot scope a patch to a field, so the chart's
+    # ValidatingAdmissionPolicy (templates/activator-admission.yaml) denies the activator any
+    # other change. No get, list or watch: it never reads an InferenceService.
+    {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["patch"]},
+    # Which InferenceService a request is for, and whether the operator routes its Service
+    # here: a watch (list, then watch) of the operator's EndpointSlices (label
+    # endpointslice.kubernetes.io/managed-by=batchpilot-operator) and Services (label
+    # app.kubernetes.io/managed-by=batchpilot-operator).
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+     "verbs": ["list", "watch"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch"]},
+    # A service's Ready pods, and a client pod's namespace from its IP (fieldSelector
+    # status.podIP). Listed, never read one by one.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
 ]  # fmt: skip
 
 

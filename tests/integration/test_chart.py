@@ -1,7 +1,9 @@
 """The Helm chart (charts/batchpilot): its sources stay in step with the package, it lints,
 every values file renders to manifests the API server accepts, and an install on the loopback
 control plane (kwok node) runs the operator with exactly operator/rbac.py's permissions, and
-the activator with exactly its ACTIVATOR_PERMISSIONS.
+the activator with exactly its ACTIVATOR_PERMISSIONS in the namespaces it serves. The
+activator's admission policy, enforced by that API server, lets it change nothing of an
+InferenceService but the wake annotation.
 
 Static checks (version, CRDs, generated RBAC files) need nothing; the rest uses the `k8s`
 fixture (tier `cluster`) for its helm and kubectl binaries and API server.
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kubernetes import client
 
 import batchpilot
 from batchpilot.operator import rbac
@@ -26,6 +29,7 @@ from batchpilot.operator.children.meta import PORT_NAME
 from batchpilot.operator.children.service import SLICE_SERVICE_NAME, activator_of
 from batchpilot.operator.config import OperatorConfig
 from batchpilot.operator.crd.api import GROUP, PLURAL, VERSION
+from batchpilot.operator.loop.idle import WAKE_ANNOTATION
 from tests.support.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,6 +39,7 @@ OPERATOR_SA_GROUPS = ["system:serviceaccounts", "system:authenticated"]
 # The names `render` gives (release bp, namespace batchpilot-system).
 FULLNAME = "bp-batchpilot"
 ACTIVATOR = f"{FULLNAME}-activator"
+ADMISSION_POLICY = f"{ACTIVATOR}-wake-only"
 
 
 def _gen_rbac():
@@ -238,10 +243,14 @@ def test_admin_key_secret_and_the_operators_environment(k8s):
     assert env["BATCHPILOT_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "mine"
 
 
+def servers_policies(docs: list[dict]) -> list[dict]:
+    return [d for d in by_kind(docs, "NetworkPolicy") if d["metadata"]["name"] != ACTIVATOR]
+
+
 def test_network_policy_admits_the_admin_port_from_the_operator_only(k8s):
     assert not by_kind(render(k8s), "NetworkPolicy")  # off by default
     docs = render(k8s, "--set", "networkPolicy.enabled=true", "--set", "watchNamespaces={a,b}")
-    policies = by_kind(docs, "NetworkPolicy")
+    policies = servers_policies(docs)
     assert sorted(p["metadata"]["namespace"] for p in policies) == ["a", "b"]
     operator_labels = named(docs, "Deployment")["spec"]["selector"]["matchLabels"]
     for policy in policies:
@@ -264,7 +273,7 @@ def test_network_policy_admits_the_admin_port_from_the_operator_only(k8s):
     docs = render(
         k8s, "--set", "networkPolicy.enabled=true", "--set", "networkPolicy.namespaces={c}"
     )
-    assert [p["metadata"]["namespace"] for p in by_kind(docs, "NetworkPolicy")] == ["c"]
+    assert [p["metadata"]["namespace"] for p in servers_policies(docs)] == ["c"]
     out = helm(
         k8s, "template", "bp", str(CHART), "--set", "networkPolicy.enabled=true", check=False
     )
@@ -355,8 +364,9 @@ def test_activator_renders_when_enabled_and_not_when_off(k8s):
         "--max-held-bytes=134217728",
     ]
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
+    # Ready once its watches listed (/readyz); alive while it serves (/healthz).
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert c["resources"] == {
         "requests": {"cpu": "50m", "memory": "128Mi"},
         "limits": {"memory": "512Mi"},
@@ -418,14 +428,61 @@ def test_operator_is_pointed_at_the_activator_service(k8s):
     assert svc["spec"]["ports"][0]["name"] == PORT_NAME
 
 
-def test_activator_cluster_role_is_exactly_activator_permissions(k8s):
-    for args in ([], ["--set", "watchNamespaces={team-a,team-b}"]):
-        docs = render(k8s, *args)
-        cr = named(docs, "ClusterRole", ACTIVATOR)
-        assert cr["rules"] == rbac.ACTIVATOR_PERMISSIONS
-        assert expand(cr["rules"]) == expand(rbac.ACTIVATOR_PERMISSIONS)
+def activator_rbac(docs: list[dict]) -> dict[str, list[dict]]:
+    """The activator's ClusterRoles, ClusterRoleBindings, Roles and RoleBindings, by kind."""
+    kinds = ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+    return {k: [d for d in by_kind(docs, k) if d["metadata"]["name"] == ACTIVATOR] for k in kinds}
+
+
+def activator_args(docs: list[dict]) -> list[str]:
+    (c,) = named(docs, "Deployment", ACTIVATOR)["spec"]["template"]["spec"]["containers"]
+    return c["args"]
+
+
+def test_activator_rbac_is_exactly_activator_permissions_where_it_serves(k8s):
+    """Every namespace served: a ClusterRole. watchNamespaces: a Role and RoleBinding in each
+    watched namespace, none cluster-wide, and the activator told to serve exactly those."""
+    subject = [{"kind": "ServiceAccount", "name": ACTIVATOR, "namespace": "batchpilot-system"}]
+    docs = render(k8s)
+    found = activator_rbac(docs)
+    (cr,) = found["ClusterRole"]
+    assert cr["rules"] == rbac.ACTIVATOR_PERMISSIONS
+    (binding,) = found["ClusterRoleBinding"]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": ACTIVATOR,
+    }  # fmt: skip
+    assert binding["subjects"] == subject
+    assert not found["Role"] and not found["RoleBinding"]
+    assert not [a for a in activator_args(docs) if a.startswith("--namespace")]
+
+    docs = render(k8s, "--set", "watchNamespaces={team-a,team-b}")
+    found = activator_rbac(docs)
+    assert not found["ClusterRole"] and not found["ClusterRoleBinding"]
+    assert sorted(r["metadata"]["namespace"] for r in found["Role"]) == ["team-a", "team-b"]
+    for role in found["Role"]:
+        assert role["rules"] == rbac.ACTIVATOR_PERMISSIONS
+        assert role["metadata"]["labels"]["app.kubernetes.io/name"] == "batchpilot-activator"
+    bindings = {b["metadata"]["namespace"]: b for b in found["RoleBinding"]}
+    assert sorted(bindings) == ["team-a", "team-b"]
+    for binding in bindings.values():
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ACTIVATOR,
+        }  # fmt: skip
+        assert binding["subjects"] == subject
+    args = activator_args(docs)
+    assert [a for a in args if a.startswith("--namespace")] == [
+        "--namespace=team-a",
+        "--namespace=team-b",
+    ]
+    # Before extraArgs, which may add more.
+    docs = render(
+        k8s, "--set", "watchNamespaces={team-a}", "--set", "activator.extraArgs={--host=::}"
+    )
+    assert activator_args(docs)[-2:] == ["--namespace=team-a", "--host=::"]
+
     # Namespaced mode: the operator may list the activator Service's EndpointSlices in the
     # release namespace (no Role of its own there); nothing more, and nothing rbac.py lacks.
+    docs = render(k8s, "--set", "watchNamespaces={team-a,team-b}")
     role = named(docs, "Role", f"{ACTIVATOR}-endpoints")
     assert role["metadata"]["namespace"] == "batchpilot-system"
     assert expand(role["rules"]) == {("discovery.k8s.io", "endpointslices", "list")}
@@ -437,9 +494,115 @@ def test_activator_cluster_role_is_exactly_activator_permissions(k8s):
     # Not needed where the operator's permissions already cover the release namespace.
     docs = render(k8s, "--set", "watchNamespaces={batchpilot-system,team-a}")
     assert not [d for d in docs if d["metadata"]["name"] == f"{ACTIVATOR}-endpoints"]
+    assert sorted(r["metadata"]["namespace"] for r in activator_rbac(docs)["Role"]) == [
+        "batchpilot-system",
+        "team-a",
+    ]
     docs = render(k8s, "--set", "rbac.create=false", "--set", "watchNamespaces={team-a}")
     assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "Role")
     assert named(docs, "Deployment", ACTIVATOR)
+
+
+def test_activator_admission_policy_binds_the_activator_only(k8s):
+    """Rendered by default with the activator: a policy on updates of InferenceServices, its
+    matchCondition the activator's user, bound to deny; off with its value or the activator."""
+    docs = render(k8s)
+    policy = named(docs, "ValidatingAdmissionPolicy", ADMISSION_POLICY)
+    binding = named(docs, "ValidatingAdmissionPolicyBinding", ADMISSION_POLICY)
+    for obj in (policy, binding):
+        assert obj["apiVersion"] == "admissionregistration.k8s.io/v1"
+        assert obj["metadata"]["labels"]["app.kubernetes.io/name"] == "batchpilot-activator"
+        assert "namespace" not in obj["metadata"]
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    (rule,) = spec["matchConstraints"]["resourceRules"]
+    assert rule["apiGroups"] == [GROUP] and rule["operations"] == ["UPDATE"]
+    assert PLURAL in rule["resources"]
+    user = f"system:serviceaccount:batchpilot-system:{ACTIVATOR}"
+    assert [c["expression"] for c in spec["matchConditions"]] == [
+        f'request.userInfo.username == "{user}"'
+    ]
+    # The ServiceAccount it names is the activator pods'.
+    pod = named(docs, "Deployment", ACTIVATOR)["spec"]["template"]["spec"]
+    assert user == f"system:serviceaccount:batchpilot-system:{pod['serviceAccountName']}"
+    assert WAKE_ANNOTATION in spec["variables"][0]["expression"]
+    assert binding["spec"] == {"policyName": ADMISSION_POLICY, "validationActions": ["Deny"]}
+    for off in ("activator.admissionPolicy.enabled=false", "activator.enabled=false"):
+        docs = render(k8s, "--set", off)
+        assert not by_kind(docs, "ValidatingAdmissionPolicy"), off
+        assert not by_kind(docs, "ValidatingAdmissionPolicyBinding"), off
+
+
+def test_activator_network_policy(k8s):
+    """The activator's pods: ingress to its port from anywhere; egress to batchpilot server
+    pods' `http` port in the served namespaces, the API server (443, 6443) and DNS. Each
+    variant passes the API server's validation (a server-side dry run)."""
+    assert not [d for d in render(k8s) if d["kind"] == "NetworkPolicy"]  # off by default
+    docs = render(k8s, "--set", "networkPolicy.enabled=true", "--set", "watchNamespaces={a,b}")
+    policy = named(docs, "NetworkPolicy", ACTIVATOR)
+    assert policy["metadata"]["namespace"] == "batchpilot-system"
+    spec = policy["spec"]
+    selector = named(docs, "Deployment", ACTIVATOR)["spec"]["selector"]
+    assert spec["podSelector"] == selector
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    assert spec["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}]}]  # anywhere
+    servers, api_server, dns = spec["egress"]
+    server_pods = {"matchLabels": {"app.kubernetes.io/name": "batchpilot-server"}}
+    assert servers == {
+        "to": [
+            {
+                "podSelector": server_pods,
+                "namespaceSelector": {
+                    "matchExpressions": [
+                        {
+                            "key": "kubernetes.io/metadata.name",
+                            "operator": "In",
+                            "values": ["a", "b"],
+                        }
+                    ]
+                },
+            }
+        ],
+        "ports": [{"port": "http", "protocol": "TCP"}],
+    }
+    api_ports = [{"port": 443, "protocol": "TCP"}, {"port": 6443, "protocol": "TCP"}]
+    assert api_server == {
+        "to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}, {"ipBlock": {"cidr": "::/0"}}],
+        "ports": api_ports,
+    }
+    assert dns == {
+        "to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}}}],
+        "ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}],
+    }  # fmt: skip
+    variants = [policy]
+    # Every namespace served (the servers' policies where networkPolicy.namespaces says),
+    # and the API server's address given.
+    for cidr in ("10.0.0.5/32", "fd00:10:96::1/128"):
+        docs = render(
+            k8s,
+            "--set", "networkPolicy.enabled=true",
+            "--set", "networkPolicy.namespaces={c}",
+            "--set", f"networkPolicy.apiServerCIDR={cidr}",
+        )  # fmt: skip
+        policy = named(docs, "NetworkPolicy", ACTIVATOR)
+        servers, api_server, _ = policy["spec"]["egress"]
+        assert servers["to"] == [{"podSelector": server_pods, "namespaceSelector": {}}]
+        assert api_server == {"to": [{"ipBlock": {"cidr": cidr}}], "ports": api_ports}
+        variants.append(policy)
+    for policy in variants:
+        policy["metadata"]["namespace"] = "default"
+        out = k8s.run_kubectl(
+            "create", "--dry-run=server", "--validate=strict", "-f", "-", "-o", "name",
+            input=yaml.safe_dump(policy), check=False,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+    docs = render(
+        k8s, "--set", "networkPolicy.enabled=true", "--set", "watchNamespaces={a}",
+        "--set", "activator.enabled=false",
+    )  # fmt: skip
+    assert [p["metadata"]["name"] for p in by_kind(docs, "NetworkPolicy")] == [
+        f"{FULLNAME}-servers"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -454,6 +617,9 @@ def test_activator_cluster_role_is_exactly_activator_permissions(k8s):
         ("activator.maxHeldPerService=0", "maxHeldPerService"),
         ("activator.holdTimeoutSeconds=0", "holdTimeoutSeconds"),
         ("activator.maxBodyBytes=-1", "maxBodyBytes"),
+        ("activator.admissionPolicy.enabled=1", "admissionPolicy"),
+        ("networkPolicy.apiServerCIDR=10.0.0.5", "apiServerCIDR"),
+        ("networkPolicy.apiServerCIDR=kubernetes.default", "apiServerCIDR"),
     ],
 )
 def test_bad_values_fail_with_a_clear_message(k8s, flag, needle):
@@ -498,7 +664,13 @@ def leftovers(k8s, release: str, namespaces: list[str]) -> list[str]:
     selector = f"app.kubernetes.io/instance={release}"
     found = []
     out = k8s.run_kubectl(
-        "get", "clusterroles,clusterrolebindings", "-l", selector, "-o", "name"
+        "get",
+        "clusterroles,clusterrolebindings,validatingadmissionpolicies,"
+        "validatingadmissionpolicybindings",
+        "-l",
+        selector,
+        "-o",
+        "name",
     ).stdout.split()
     found += out
     for ns in namespaces:
@@ -517,29 +689,44 @@ def leftovers(k8s, release: str, namespaces: list[str]) -> list[str]:
 
 
 def check_activator(k8s, namespace: str, fullname: str, watched: str, other: str) -> None:
-    """The installed activator: Available (admitted under the restricted standard), its
-    ServiceAccount may do exactly ACTIVATOR_PERMISSIONS, cluster-wide, and the operator finds
-    it where BATCHPILOT_ACTIVATOR_SERVICE says, with its own permissions."""
+    """The installed activator: Available (admitted under the restricted standard), told to
+    serve the watched namespace, its ServiceAccount may do exactly ACTIVATOR_PERMISSIONS
+    there and nothing anywhere else, its admission policy is installed, and the operator
+    finds it where BATCHPILOT_ACTIVATOR_SERVICE says, with its own permissions."""
     name = f"{fullname}-activator"
     dep = json.loads(
         k8s.run_kubectl("get", "deployment", name, "-n", namespace, "-o", "json").stdout
     )
     conds = {c["type"]: c["status"] for c in dep["status"].get("conditions", [])}
     assert conds.get("Available") == "True", dep["status"]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    assert [a for a in c["args"] if a.startswith("--namespace")] == [f"--namespace={watched}"]
     user = f"system:serviceaccount:{namespace}:{name}"
     for rule in rbac.ACTIVATOR_PERMISSIONS:
         for group in rule["apiGroups"]:
             for res in rule["resources"]:
                 for verb in rule["verbs"]:
-                    for ns in ("", watched, other):
-                        assert sar(k8s, user, verb, res, group, ns), (user, verb, res, ns)
-    assert not sar(k8s, user, "watch", PLURAL, GROUP, watched)
-    assert not sar(k8s, user, "update", PLURAL, GROUP, watched)
+                    assert sar(k8s, user, verb, res, group, watched), (user, verb, res)
+                    for ns in ("", other, namespace):  # cluster-wide, elsewhere
+                        assert not sar(k8s, user, verb, res, group, ns), (user, verb, res, ns)
+    for verb in ("get", "list", "watch", "update", "delete", "create"):
+        assert not sar(k8s, user, verb, PLURAL, GROUP, watched), verb
     assert not sar(k8s, user, "patch", PLURAL, GROUP, watched, sub="status")
     assert not sar(k8s, user, "get", "pods", "", watched)
     assert not sar(k8s, user, "create", "pods", "", watched)
     assert not sar(k8s, user, "get", "secrets", "", namespace)
     assert not sar(k8s, user, "list", "endpointslices", "discovery.k8s.io", namespace)
+    assert not sar(k8s, user, "patch", "endpointslices", "discovery.k8s.io", watched)
+    assert not sar(k8s, user, "patch", "services", "", watched)
+    # Its patches are held to the wake annotation by its admission policy.
+    policy = json.loads(
+        k8s.run_kubectl(
+            "get", "validatingadmissionpolicy", f"{name}-wake-only", "-o", "json"
+        ).stdout
+    )
+    (condition,) = policy["spec"]["matchConditions"]
+    assert condition["expression"] == f'request.userInfo.username == "{user}"'
+    k8s.run_kubectl("get", "validatingadmissionpolicybinding", f"{name}-wake-only")
     # The operator (watching another namespace) reads the activator's EndpointSlices.
     operator = f"system:serviceaccount:{namespace}:{fullname}"
     assert sar(k8s, operator, "list", "endpointslices", "discovery.k8s.io", namespace)
@@ -646,3 +833,121 @@ def test_install_rbac_and_uninstall(k8s, namespace):
     assert helm(k8s, "status", release, "-n", namespace, check=False).returncode != 0
     for ns in (watched, other):
         k8s.run_kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_activator_admission_policy_admits_the_wake_annotation_only(k8s, namespace, api):
+    """The rendered policy and binding, and the activator's Role in the namespace it serves,
+    on the real API server: acting as the activator's ServiceAccount (impersonated), a merge
+    patch that sets only the wake annotation is admitted (annotations absent before, or
+    present); one that changes the spec, a label, another annotation, the finalizers or the
+    owners is denied by the policy and leaves the object as it was. Nobody else is held to
+    it."""
+    release = f"bp-{uuid.uuid4().hex[:6]}"
+    activator = f"{release}-batchpilot-activator"
+    policy = f"{activator}-wake-only"
+    user = f"system:serviceaccount:{namespace}:{activator}"
+    docs = render(
+        k8s, "--set", f"watchNamespaces={{{namespace}}}", release=release, namespace=namespace
+    )
+    kinds = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "Role", "RoleBinding"}
+    objects = [
+        d for d in docs if d["kind"] in kinds and d["metadata"]["name"] in (activator, policy)
+    ]
+    assert sorted(d["kind"] for d in objects) == sorted(kinds)
+    api.create("plain", {"replicas": 1})
+
+    def patch(body: dict, *, dry_run: bool = False, as_activator: bool = True) -> str | None:
+        """None when admitted, else the API server's answer. The activator's own call: a
+        JSON merge patch, never a read first (it may not get InferenceServices)."""
+        try:
+            api.custom.patch_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, "plain", body,
+                dry_run="All" if dry_run else None,
+                _content_type="application/merge-patch+json",
+                _headers={"Impersonate-User": user} if as_activator else None,
+            )  # fmt: skip
+        except client.ApiException as e:
+            return f"{e.status} {e.body}"
+        return None
+
+    def denied(answer: str | None) -> str | None:
+        """The policy's message, when it denied the request (not failed to evaluate it)."""
+        lead = f"ValidatingAdmissionPolicy '{policy}' with binding '{policy}' denied request: "
+        if answer and lead in answer:
+            message = json.loads(answer.partition(" ")[2])["message"].partition(lead)[2]
+            return None if "resulted in error" in message else message
+        return None
+
+    def annotate(**values) -> dict:
+        return {"metadata": {"annotations": values}}
+
+    try:
+        for doc in objects:
+            k8s.run_kubectl("create", "-f", "-", input=yaml.safe_dump(doc))
+
+        # Enforced once the API server has loaded the policy (and the Role): a forbidden
+        # change, as a dry run, is refused by the policy's own check of the labels.
+        def labels_refused() -> bool:
+            answer = patch({"metadata": {"labels": {"x": "y"}}}, dry_run=True)
+            return "labels" in (denied(answer) or "")
+
+        wait_for("the policy to be enforced", labels_refused, timeout=120, interval=0.5)
+
+        # Its expressions type-check against the CRD's schema without a warning.
+        def policy_status() -> dict | None:
+            out = k8s.run_kubectl("get", "validatingadmissionpolicy", policy, "-o", "json")
+            status = json.loads(out.stdout).get("status", {})
+            return status if "typeChecking" in status else None
+
+        checked = wait_for("the policy's type check", policy_status)["typeChecking"]
+        assert not checked.get("expressionWarnings"), checked
+        assert "annotations" not in api.get("plain")["metadata"]
+        # The wake annotation alone, on an object without annotations, then changed.
+        for stamp in ("2026-01-01T00:00:00.000Z", "2026-01-01T00:00:05.000Z"):
+            assert patch(annotate(**{WAKE_ANNOTATION: stamp})) is None
+            assert api.get("plain")["metadata"]["annotations"] == {WAKE_ANNOTATION: stamp}
+        # Anyone else (here the admin) may change anything: labels, annotations, finalizers.
+        assert patch(
+            {"metadata": {"labels": {"team": "a"}, "annotations": {"example.com/note": "keep"},
+                          "finalizers": ["example.com/hold"]}},
+            as_activator=False,
+        ) is None  # fmt: skip
+        before = api.get("plain")
+        owner = {"apiVersion": "v1", "kind": "ConfigMap", "name": "x", "uid": str(uuid.uuid4())}
+        forbidden = {
+            "spec": ({"spec": {"replicas": 3}}, "spec"),
+            "spec with the wake": (
+                {"spec": {"replicas": 3}, **annotate(**{WAKE_ANNOTATION: "t"})},
+                "spec",
+            ),
+            "a new label": ({"metadata": {"labels": {"other": "x"}}}, "labels"),
+            "a label changed": ({"metadata": {"labels": {"team": "b"}}}, "labels"),
+            "a label removed": ({"metadata": {"labels": {"team": None}}}, "labels"),
+            "a new annotation": (annotate(**{"example.com/other": "x"}), "annotation"),
+            "an annotation changed": (annotate(**{"example.com/note": "x"}), "annotation"),
+            "an annotation removed": (annotate(**{"example.com/note": None}), "annotation"),
+            "every annotation removed": ({"metadata": {"annotations": None}}, "annotation"),
+            "the finalizers": ({"metadata": {"finalizers": None}}, "finalizers"),
+            "the owners": ({"metadata": {"ownerReferences": [owner]}}, "ownerReferences"),
+        }
+        for what, (body, word) in forbidden.items():
+            answer = patch(body)
+            assert answer and answer.startswith("403 "), (what, answer)
+            assert word in (denied(answer) or ""), (what, answer)
+        after = api.get("plain")
+        for key in ("labels", "annotations", "finalizers"):
+            assert after["metadata"].get(key) == before["metadata"].get(key), key
+        assert "ownerReferences" not in after["metadata"]
+        assert after["spec"] == before["spec"]
+        assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+        # The wake annotation beside another is admitted, and leaves the other alone.
+        assert patch(annotate(**{WAKE_ANNOTATION: "2026-01-01T00:00:10.000Z"})) is None
+        assert api.get("plain")["metadata"]["annotations"] == {
+            "example.com/note": "keep",
+            WAKE_ANNOTATION: "2026-01-01T00:00:10.000Z",
+        }
+    finally:
+        patch({"metadata": {"finalizers": None}}, as_activator=False)
+        for doc in objects:
+            if "namespace" not in doc["metadata"]:
+                k8s.run_kubectl("delete", doc["kind"].lower(), doc["metadata"]["name"], check=False)
