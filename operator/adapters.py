@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from batchpilot.operator.bounds import clip
 from batchpilot.operator.children.plan import plan_adapters
 from batchpilot.operator.crd.spec import InferenceServiceSpec
 from batchpilot.operator.crd.status import MAX_ADAPTER_REPLICAS_SHOWN
@@ -251,4 +252,4 @@ class AdapterSync:
 
 
 def _why(e: AdminError) -> str:
-    return e.message if isinstance(e, AdapterRefused) else str(e)[:512]
+    return clip(e.message if isinstance(e, AdapterRefused) else str(e))

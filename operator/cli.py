@@ -15,7 +15,9 @@ import random
 import sys
 from pathlib import Path
 
-from batchpilot.operator.config import DEFAULT_SERVER_IMAGE, OperatorConfig, env_var
+from pydantic import ValidationError
+
+from batchpilot.operator.config import DEFAULT_SERVER_IMAGE, OperatorConfig, describe, env_var
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 
@@ -171,7 +173,11 @@ def run(args: argparse.Namespace) -> int:
 
     from batchpilot.operator.handlers import make_registry
 
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ValidationError as e:
+        print(f"batchpilot operator: {describe(e)}", file=sys.stderr)
+        return 2
     kopf.configure(
         debug=args.debug,
         verbose=args.verbose,

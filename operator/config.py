@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from batchpilot import __version__
@@ -15,11 +15,17 @@ DEFAULT_SERVER_IMAGE = f"{SERVER_IMAGE_REPOSITORY}:{__version__}"
 FIELD_MANAGER = "batchpilot-operator"
 FINALIZER = "batchpilot.dev/operator"
 ENV_PREFIX = "BATCHPILOT_"
+# Each admin token is an HMAC of this key and its object's identity, and a tenant can read
+# its own token (the Secret in its namespace): a short key could be found offline from one
+# token, and every other tenant's token made from it. 32 characters of the chart's
+# alphabet (62 letters and digits) are over 190 bits; the chart generates 48.
+MIN_ADMIN_KEY_CHARS = 32
 
 
 class OperatorConfig(BaseSettings):
+    # hide_input_in_errors: a refused admin_key must not appear in the error (or the log).
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, frozen=True, use_attribute_docstrings=True
+        env_prefix=ENV_PREFIX, frozen=True, use_attribute_docstrings=True, hide_input_in_errors=True
     )
 
     server_image: str = DEFAULT_SERVER_IMAGE
@@ -43,7 +49,8 @@ class OperatorConfig(BaseSettings):
     admin_key: SecretStr | None = None
     """The key every service's admin token is derived from (HMAC of the key and the
     object's namespace, name and uid). Environment only (BATCHPILOT_ADMIN_KEY, from a
-    Secret: the chart's), never a flag. Unset: a random key per process."""
+    Secret: the chart's), never a flag; at least MIN_ADMIN_KEY_CHARS characters. Unset: a
+    random key per process."""
     activator_service: str | None = Field(None, pattern=r"^[a-z0-9-]+/[a-z0-9-]+$")
     """<namespace>/<name> of the activator's Service (the chart's). An InferenceService
     with autoscaling.minReplicas 0 routes its Service there while no replica is Ready (at
@@ -58,6 +65,16 @@ class OperatorConfig(BaseSettings):
     def _split(cls, value: object) -> object:
         if isinstance(value, str):
             return [u.strip() for u in value.split(",") if u.strip()]
+        return value
+
+    @field_validator("admin_key")
+    @classmethod
+    def _long_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < MIN_ADMIN_KEY_CHARS:
+            raise ValueError(
+                f"{env_var('admin_key')} is shorter than {MIN_ADMIN_KEY_CHARS} characters: a "
+                "tenant could find it from its own admin token (the chart's random key has 48)"
+            )
         return value
 
     @model_validator(mode="after")
@@ -75,3 +92,12 @@ class OperatorConfig(BaseSettings):
 def env_var(field: str) -> str:
     """The environment variable of a field, e.g. BATCHPILOT_SERVER_IMAGE."""
     return ENV_PREFIX + field.upper()
+
+
+def describe(error: ValidationError) -> str:
+    """A refused configuration in one line, each problem with its field, never with the
+    value given (the admin key's)."""
+    return "; ".join(
+        ": ".join([*map(str, e["loc"]), e["msg"].removeprefix("Value error, ")])
+        for e in error.errors(include_input=False, include_url=False)
+    )

@@ -1,5 +1,6 @@
-"""The `batchpilot serve` flags the operator derives from the spec, and the rule that keeps
-engine.extraArgs from setting them: stated once for the CRD (CEL) and for the operator.
+"""The `batchpilot serve` flags the operator derives from the spec (passed as flags, or set
+through a variable the flag would override), and the rule that keeps engine.extraArgs from
+setting them: stated once for the CRD (CEL) and for the operator.
 
 `batchpilot serve` parses with allow_abbrev=False, so an abbreviation (`--max-num-seq=9`)
 is an unknown flag there. The rule refuses abbreviations too, so that such a spec is
@@ -29,6 +30,9 @@ BOOL_KNOBS = frozenset([names.ENABLE_CHUNKED_PREFILL.name, names.ENABLE_PREFIX_C
 # engine.enableLora): a service without adapters keeps the pod template it had.
 ENABLE_LORA = "--enable-lora"
 LORA_MODULES = "--lora-modules"
+# The adapters new pods start with: the operator passes them through $BATCHPILOT_LORA_MODULES
+# (names.LORA_MODULES_ENV, from the ConfigMap), which this flag would override.
+PRELOAD_LORA_MODULES = "--preload-lora-modules"
 LORA_KNOBS = (names.MAX_LORAS, names.MAX_LORA_RANK, names.MAX_CPU_LORAS)
 LORA_RANKS = (8, 16, 32, 64, 128, 256)
 
@@ -45,7 +49,9 @@ MANAGED_FLAGS = tuple(
             "--max-queue-len",
             "--admin-token",
             ENABLE_LORA,
+            "--no-" + ENABLE_LORA[2:],  # would turn LoRA off under the operator's adapters
             LORA_MODULES,
+            PRELOAD_LORA_MODULES,
         ]
         + [k.flag for k in (*ENGINE_KNOBS, *LORA_KNOBS)]
         + ["--no-" + k.flag[2:] for k in ENGINE_KNOBS if k.name in BOOL_KNOBS]

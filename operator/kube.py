@@ -17,6 +17,7 @@ import kopf
 from kubernetes import client, config, dynamic
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
+from batchpilot.operator.bounds import clip
 from batchpilot.operator.config import FIELD_MANAGER
 from batchpilot.operator.crd.api import API_VERSION, KIND
 
@@ -190,4 +191,4 @@ def post_event(body: dict, type_: str, reason: str, message: str) -> None:
     """An Event on the object, through kopf's poster (batched, rate-limited)."""
     # Outside a running operator (unit tests) there is nothing to post through.
     with contextlib.suppress(LookupError):
-        kopf.event(body, type=type_, reason=reason, message=message[:1024])
+        kopf.event(body, type=type_, reason=reason, message=clip(message))

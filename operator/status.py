@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
+from batchpilot.operator.bounds import clip
 from batchpilot.operator.children.engine_args import read_engine_settings
 from batchpilot.operator.children.meta import selector_string
 from batchpilot.operator.children.pod import CONTAINER
@@ -149,7 +150,7 @@ def _condition(
         "type": type_,
         "status": value,
         "reason": reason,
-        "message": message,
+        "message": clip(message),  # may quote a replica's or the API server's answer
         "lastTransitionTime": since or now,
         "observedGeneration": generation,
     }

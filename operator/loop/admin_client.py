@@ -1,6 +1,9 @@
 """The replicas' admin API over HTTP, with the service's bearer token: /admin/config (the
 I/O shell the tuner's live changes go through) and vLLM's load/unload_lora_adapter (the
-adapter reconcile's); and the public /v1/models, which lists the adapters loaded."""
+adapter reconcile's); and the public /v1/models, which lists the adapters loaded.
+
+Every answer is read through bounds.read_limited (ADMIN_MAX_BYTES) within the call's total
+timeout: a replica that answers more is a failed call, "answer over N bytes"."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ from collections.abc import Iterable
 
 import aiohttp
 
+from batchpilot.operator.bounds import ADMIN_MAX_BYTES, AnswerTooLarge, clip, read_limited
+
 ADMIN_TIMEOUT_SECONDS = 5.0
 # Loading reads the adapter's weights from disk: longer than a config change.
 ADAPTER_TIMEOUT_SECONDS = 60.0
@@ -17,9 +22,6 @@ PATH = "/admin/config"
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
 MODELS_PATH = "/v1/models"
-# What the operator reads of an answer: a refusal's message goes into status and Events.
-MAX_BODY_BYTES = 64 * 1024
-MAX_MESSAGE_CHARS = 512
 ALREADY_LOADED = "has already been loaded"
 
 
@@ -39,14 +41,13 @@ class AdapterRefused(AdminError):
 
 
 def error_message(status: int, body: bytes) -> str:
-    """The OpenAI error's message, else the text, bounded."""
+    """The OpenAI error's message, else the text, clipped: it goes into status and Events."""
     text = body.decode("utf-8", "replace")
     try:
         message = json.loads(text)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = text
-    message = str(message).strip() or f"HTTP {status}"
-    return message[:MAX_MESSAGE_CHARS]
+    return clip(str(message).strip() or f"HTTP {status}")
 
 
 class AdminClient:
@@ -84,13 +85,12 @@ class AdminClient:
                 aiohttp.ClientSession(timeout=self.timeout) as session,
                 session.get(url.rstrip("/") + MODELS_PATH) as resp,
             ):
-                body = await resp.content.read(MAX_BODY_BYTES)
                 if resp.status != 200:
                     return None
-                data = json.loads(body)["data"]
+                data = json.loads(await read_limited(resp, ADMIN_MAX_BYTES))["data"]
                 return {m["id"]: str(m.get("root", "")) for m in data if m.get("parent")}
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
-            return None
+            return None  # AnswerTooLarge included (a ValueError)
 
     async def _post(self, url: str, token: str, body: dict) -> None:
         headers = {"Authorization": f"Bearer {token}"}
@@ -99,14 +99,14 @@ class AdminClient:
                 aiohttp.ClientSession(timeout=self.adapter_timeout) as session,
                 session.post(url, json=body, headers=headers) as resp,
             ):
-                answer = await resp.content.read(MAX_BODY_BYTES)
+                answer = await read_limited(resp, ADMIN_MAX_BYTES)
                 if 400 <= resp.status < 500:
                     raise AdapterRefused(resp.status, error_message(resp.status, answer))
                 if resp.status != 200:  # a 503 while it starts or drains: ask again later
                     message = error_message(resp.status, answer)
-                    raise AdminError(f"POST {url}: HTTP {resp.status}: {message}")
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise AdminError(f"POST {url}: {type(e).__name__}: {e}") from e
+                    raise AdminError(clip(f"POST {url}: HTTP {resp.status}: {message}"))
+        except (aiohttp.ClientError, TimeoutError, AnswerTooLarge) as e:
+            raise AdminError(clip(f"POST {url}: {type(e).__name__}: {e}")) from e
 
     async def get_config(self, url: str, token: str) -> dict:
         return await self._call("GET", url, token)
@@ -133,22 +133,22 @@ class AdminClient:
                 aiohttp.ClientSession(timeout=self.timeout) as session,
                 session.request(method, url.rstrip("/") + PATH, json=body, headers=headers) as resp,
             ):
+                answer = await read_limited(resp, ADMIN_MAX_BYTES)
                 if resp.status != 200:
-                    raise AdminError(
-                        f"{method} {url}{PATH}: HTTP {resp.status}: {await resp.text()}"
-                    )
-                return await resp.json()
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise AdminError(f"{method} {url}{PATH}: {type(e).__name__}: {e}") from e
+                    message = error_message(resp.status, answer)
+                    raise AdminError(clip(f"{method} {url}{PATH}: HTTP {resp.status}: {message}"))
+                return json.loads(answer)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:  # not JSON, AnswerTooLarge
+            raise AdminError(clip(f"{method} {url}{PATH}: {type(e).__name__}: {e}")) from e
 
 
 def _failure(result: object, changes: dict) -> str | None:
     if isinstance(result, BaseException):
         if not isinstance(result, AdminError):
             raise result
-        return str(result)
+        return clip(str(result))
     in_force = result if isinstance(result, dict) else {}
     # A replica may answer 200 yet hold another value (an older server, or one that
-    # adjusted it): only what it reports in force counts.
+    # adjusted it): only what it reports in force counts. What it answered goes into status.
     wrong = [f"{k}={in_force.get(k)}" for k, v in changes.items() if in_force.get(k) != v]
-    return f"answered {', '.join(wrong)}" if wrong else None
+    return clip(f"answered {', '.join(wrong)}") if wrong else None

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchpilot import names
+from batchpilot.operator.bounds import clip
 
 if TYPE_CHECKING:
     from batchpilot.operator.loop.scrape import Scrape
@@ -362,7 +363,8 @@ class Observer:
                     raise MalformedMetrics(scrape.error or "no answer")
                 sample = parse_metrics(scrape.text, now)
             except MalformedMetrics as e:
-                result.failures[scrape.url] = str(e)
+                # The parser's error quotes the replica's text: clipped, it goes into status.
+                result.failures[scrape.url] = clip(str(e))
                 continue
             replicas.setdefault(scrape.url, deque()).append(sample)
             result.scraped += 1

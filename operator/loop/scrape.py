@@ -4,7 +4,8 @@ Two metrics sources share one interface (``MetricsSource``): ``PodMetricsSource`
 every Ready pod of an InferenceService on its pod IP, ``UrlMetricsSource`` a fixed list of
 base URLs (tests, benchmarks, servers outside the cluster). Both return one ``Scrape`` per
 replica, with where that replica's admin API listens (its own port, apart from /metrics);
-a replica that does not answer is a ``Scrape`` with an error, never an exception.
+a replica that does not answer, or answers more than METRICS_MAX_BYTES, is a ``Scrape``
+with an error, never an exception.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 
 from batchpilot import names
+from batchpilot.operator.bounds import METRICS_MAX_BYTES, AnswerTooLarge, clip, read_limited
 from batchpilot.operator.children.meta import ADMIN_PORT, PORT, selector_string
 
 # An overloaded replica answers /metrics slowly (a benchmark saw 15 s): a short timeout
-# would read a busy replica as a missing one.
+# would read a busy replica as a missing one. It bounds the whole answer, body included.
 SCRAPE_TIMEOUT_SECONDS = 10.0
 
 
@@ -69,9 +71,12 @@ async def _scrape_one(session: aiohttp.ClientSession, url: str, admin_url: str) 
         async with session.get(url.rstrip("/") + "/metrics") as resp:
             if resp.status != 200:
                 return Scrape(url, error=f"HTTP {resp.status}", admin_url=admin_url)
-            return Scrape(url, text=await resp.text(), admin_url=admin_url)
-    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as e:
-        return Scrape(url, error=f"{type(e).__name__}: {e}".rstrip(": "), admin_url=admin_url)
+            # Prometheus' text format is UTF-8; the limit is on the bytes, before decoding.
+            text = (await read_limited(resp, METRICS_MAX_BYTES)).decode("utf-8")
+            return Scrape(url, text=text, admin_url=admin_url)
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError, AnswerTooLarge) as e:
+        why = clip(f"{type(e).__name__}: {e}".rstrip(": "))
+        return Scrape(url, error=why, admin_url=admin_url)
 
 
 def on_port(url: str, port: int) -> str:

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from batchpilot.operator.bounds import clip
 from batchpilot.operator.crd.spec import InferenceServiceSpec
 from batchpilot.operator.loop.admin_client import AdminClient
 from batchpilot.operator.loop.autoscale import (
@@ -80,6 +81,10 @@ class LoopOutcome:
     apply_failures: dict[str, str] = field(default_factory=dict)  # URL -> why
     blind: str | None = None  # why the loop decided nothing, when it could not see
 
+    def event(self, reason: str, message: str) -> None:
+        """An Event to post; its message may carry what replicas answered, so it is clipped."""
+        self.events.append((reason, clip(message)))
+
 
 # --------------------------------------------------------------------------- the arbiter
 
@@ -100,11 +105,11 @@ def hold_scale_down(
     history keeps ``replicas`` for now instead, so that once every replica answers again a
     scale-down needs a whole stabilization window of its own evidence."""
     urls = sorted(failures)
-    reason = (
+    reason = clip(
         f"scale-down held at {replicas}: {len(urls)} Ready replica(s) did not answer their "
         f"scrape ({'; '.join(f'{u}: {failures[u]}' for u in urls)}); the others alone "
         f"recommend {decision.recommendation}: {decision.reason}"
-    )
+    )  # status.autoscaling.reason, with what the replicas answered
     held = ScaleDownHold(replicas, decision.recommendation, tuple(urls))
     kept = {r.replicas: r.time for r in decision.history.recommendations if r.replicas >= replicas}
     kept[replicas] = now
@@ -128,10 +133,10 @@ def blindness(listed: int, scrape_round: RoundResult) -> str | None:
     if listed == 0 or scrape_round.scraped >= MIN_SCRAPED_SHARE * listed:
         return None
     why = "; ".join(f"{u}: {e}" for u, e in sorted(scrape_round.failures.items()))
-    return (
+    return clip(
         f"{scrape_round.scraped} of {listed} Ready replicas answered their scrape (at least "
         f"{MIN_SCRAPED_SHARE:.0%} needed to decide): {why}"
-    )
+    )  # status.metrics.loopBlind, and the LoopBlind condition's message
 
 
 def arbitrate(
@@ -256,9 +261,9 @@ class ClosedLoop:
         outcome.status_patch["metrics"] = metrics
         was_blind = bool((status.get("metrics") or {}).get("loopBlind"))
         if outcome.blind and not was_blind:
-            outcome.events.append(("LoopBlind", f"deciding nothing: {outcome.blind}"))
+            outcome.event("LoopBlind", f"deciding nothing: {outcome.blind}")
         elif was_blind and not outcome.blind:
-            outcome.events.append(("LoopSighted", "enough replicas answer again: deciding"))
+            outcome.event("LoopSighted", "enough replicas answer again: deciding")
 
     def _tune(
         self,
@@ -272,7 +277,7 @@ class ClosedLoop:
     ) -> TunerState:
         if outcome.blind is not None:
             settings = tuner.settings or in_force
-            decision = TuneDecision("hold", settings, f"blind: {outcome.blind}", now)
+            decision = TuneDecision("hold", settings, clip(f"blind: {outcome.blind}"), now)
             tuner = tuner.decided(decision, tuner.experiment)
         else:
             settings = tuner.settings or in_force
@@ -288,7 +293,7 @@ class ClosedLoop:
             decision, tuner = decide_tuning(view, spec, tuner, in_force, now, self.limits)
         outcome.tuning = decision
         if event := tuning_event(decision, last_reason):
-            outcome.events.append(event)
+            outcome.event(*event)
         return tuner
 
     def _autoscale(
@@ -331,12 +336,12 @@ class ClosedLoop:
         written = AutoscalingStatus.decided(decision, state, held, now)
         outcome.status_patch["autoscaling"] = written.to_status()
         if held is not None and last.held is None:
-            outcome.events.append(("ScaleDownHeld", decision.reason))
+            outcome.event("ScaleDownHeld", decision.reason)
         if decision.replicas != replicas:
-            outcome.events.append(
-                (scale_event(replicas, decision.replicas), f"replicas {replicas} -> "
-                 f"{decision.replicas}: {decision.reason}")
-            )  # fmt: skip
+            outcome.event(
+                scale_event(replicas, decision.replicas),
+                f"replicas {replicas} -> {decision.replicas}: {decision.reason}",
+            )
 
     async def _apply(
         self,
@@ -370,17 +375,15 @@ class ClosedLoop:
             *(self.admin.set_live([urls[u] for u in g], token, dict(c)) for c, g in groups.items())
         )
         failures = {
-            u: why
+            u: clip(why)  # status.tuning.notApplied: what a replica answered
             for g, answer in zip(groups.values(), answers, strict=True)
             for u in g
             if (why := answer.get(urls[u]))
         }
         outcome.apply_failures = failures
         if failures:
-            outcome.events.append(
-                (
-                    "AdminApplyFailed",
-                    f"live settings not applied on {len(failures)} of {len(changes_by_url)} "
-                    "replicas: " + "; ".join(f"{u}: {why}" for u, why in failures.items()),
-                )
+            outcome.event(
+                "AdminApplyFailed",
+                f"live settings not applied on {len(failures)} of {len(changes_by_url)} "
+                "replicas: " + "; ".join(f"{u}: {why}" for u, why in failures.items()),
             )

@@ -127,6 +127,9 @@ def owner_uid(obj: Any) -> tuple[str, str, bool, bool]:
         ({"engine": {"extraArgs": ["--max-num-seq=99999"]}}, "may not set, or abbreviate"),
         ({"engine": {"extraArgs": ["--seed", "1", "--admin-tok=x"]}}, "spec.engine.extraArgs"),
         ({"engine": {"extraArgs": ["--admin-port", "9"]}}, "may not set, or abbreviate"),
+        # LoRA off under the operator's adapters; the adapters it passes in a variable.
+        ({"engine": {"extraArgs": ["--no-enable-lora"]}}, "may not set, or abbreviate"),
+        ({"engine": {"extraArgs": ["--preload-lora-modules=[]"]}}, "may not set, or abbreviate"),
         (
             {"pod": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}},
             "spec.pod.volumes: Invalid value",

@@ -28,7 +28,7 @@ from tests.support.wait import wait_for
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "example.invalid/batchpilot-server:test"
 INTERVAL = 2.0  # the reconcile interval the tests run the operator with
-ADMIN_KEY = "cluster-test-admin-key-7c41"  # what the chart's Secret gives the operator
+ADMIN_KEY = "cluster-test-admin-key-7c41-0123456789"  # what the chart's Secret gives the operator
 MODEL = "tiny"
 LOOP_TIMEOUT = 180  # decisions need a window of observation (20 s) on a shared 2-core machine
 

@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import ValidationError
 
 from batchpilot.cli import main
-from batchpilot.operator.config import DEFAULT_SERVER_IMAGE, OperatorConfig
+from batchpilot.operator.config import DEFAULT_SERVER_IMAGE, MIN_ADMIN_KEY_CHARS, OperatorConfig
 
 HEAVY = ("torch", "transformers", "triton")
 
@@ -133,13 +134,30 @@ def test_admin_urls_pair_with_metrics_urls():
 def test_admin_key_comes_from_the_environment_only(monkeypatch):
     from batchpilot.cli import build_parser
 
-    monkeypatch.setenv("BATCHPILOT_ADMIN_KEY", "k3y")
-    assert OperatorConfig.from_env().admin_key.get_secret_value() == "k3y"
+    key = "k3y" * 11  # MIN_ADMIN_KEY_CHARS and more
+    monkeypatch.setenv("BATCHPILOT_ADMIN_KEY", key)
+    assert OperatorConfig.from_env().admin_key.get_secret_value() == key
     assert "k3y" not in repr(OperatorConfig.from_env())
     help_text = build_parser(["operator"]).format_help() + str(
         build_parser(["operator"])._subparsers._group_actions[0].choices["operator"].format_help()
     )
     assert "--admin-key" not in help_text
+
+
+def test_a_short_admin_key_is_refused_without_being_shown(monkeypatch, capsys):
+    """At start-up, before anything runs: one tenant's token must not give the key away."""
+    short = "s3cret-" + "x" * (MIN_ADMIN_KEY_CHARS - 8)
+    with pytest.raises(ValidationError) as e:
+        OperatorConfig(admin_key=short)
+    assert short not in str(e.value)
+    assert OperatorConfig(admin_key=short + "x").admin_key.get_secret_value() == short + "x"
+    monkeypatch.setenv("BATCHPILOT_ADMIN_KEY", short)
+    assert main(["operator", "-A"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"admin_key: BATCHPILOT_ADMIN_KEY is shorter than {MIN_ADMIN_KEY_CHARS} characters" in err
+    )
+    assert "s3cret" not in err
 
 
 def test_liveness_port_serves_the_operators_metrics():

@@ -300,6 +300,10 @@ def test_valid_specs_round_trip(spec):
         "--admin-port=9",
         "--port=1",
         "--no-enable-prefix-caching",
+        "--no-enable-lora",  # LoRA off under the operator's adapters
+        "--no-enable-lo",
+        "--preload-lora-modules=[]",  # would override the operator's $BATCHPILOT_LORA_MODULES
+        "--preload-lora",
         "--",  # would end the options: every managed flag starts with it
     ],
 )
@@ -328,6 +332,49 @@ def test_no_other_server_flag_is_a_prefix_of_a_managed_one():
     assert set(flags.MANAGED_FLAGS) <= server_flags
     for flag in server_flags - set(flags.MANAGED_FLAGS):
         assert not flags.overrides_managed(flag), flag
+
+
+def test_every_flag_the_operator_sets_is_managed_and_so_is_its_negation(monkeypatch):
+    """What the operator puts in a pod, everything on: each flag of its args; each flag whose
+    default the variables it sets change (the flag would override them); and the other
+    form of each boolean flag among them (--no-enable-lora turns --enable-lora off)."""
+    import argparse
+
+    from batchpilot.operator.children.build import build_children
+    from batchpilot.operator.children.meta import Owner
+    from batchpilot.server.api.cli import add_arguments
+
+    spec = parse_spec(
+        {
+            "engine": {"maxNumSeqs": 8, "enablePrefixCaching": False, "maxLoras": 2},
+            "adapters": [{"name": "sql", "source": "pvc://adapters/sql"}],
+            "tuning": {"enabled": True},
+            "resources": {"requests": {"cpu": "2"}},
+        }
+    )
+    owner = Owner(name="chat", namespace="ns", uid="u")
+    children = build_children(owner, spec, image="img", admin_token="t" * 32)
+    (dep,) = [c for c in children if c["kind"] == "Deployment"]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+
+    def server_parser() -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        return parser
+
+    before = {a.dest: a.default for a in server_parser()._actions}
+    for env in c["env"]:
+        monkeypatch.setenv(env["name"], "set-by-the-operator")
+    parser = server_parser()
+    by_env = {o for a in parser._actions if a.default != before[a.dest] for o in a.option_strings}
+    in_args = {a.split("=")[0] for a in c["args"] if a.startswith("--")}
+    assert "--preload-lora-modules" in by_env and flags.ENABLE_LORA in in_args
+    set_by_operator = in_args | by_env
+    both_forms = {
+        o for a in parser._actions if isinstance(a, argparse.BooleanOptionalAction)
+        if set(a.option_strings) & set_by_operator for o in a.option_strings
+    }  # fmt: skip
+    assert set_by_operator | both_forms <= set(flags.MANAGED_FLAGS)
 
 
 @pytest.mark.parametrize("arg", ["--max-num-seq=99999", "--admin-tok=stolen", "--max-num-seq"])

@@ -21,7 +21,7 @@ from batchpilot.operator.kube import ApiException
 from batchpilot.operator.reconcile import Reconciler
 
 NS = "team-a"
-KEY = "operator-key-3f9a"
+KEY = "operator-key-3f9a-0123456789abcdef"  # config.MIN_ADMIN_KEY_CHARS or more
 
 
 def conflict(message: str) -> ApiException:
@@ -223,7 +223,7 @@ def test_token_is_derived_never_read(kube, rec):
     assert rec.admin_token(owner) == admin_token(KEY.encode(), owner)
     # Another operator with the same key derives the same token; another key, another.
     again = Reconciler(OperatorConfig(admin_key=KEY), kube=kube)
-    other = Reconciler(OperatorConfig(admin_key="another-key"), kube=kube)
+    other = Reconciler(OperatorConfig(admin_key="another-key-" + "0" * 32), kube=kube)
     assert again.admin_token(owner) == rec.admin_token(owner) != other.admin_token(owner)
 
 
