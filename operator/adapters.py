@@ -228,7 +228,7 @@ class AdapterSync:
     async def _replica(
         self, replica: Replica, desired: dict[str, str], memory: Memory, token: str, now: float
     ) -> ReplicaResult:
-        loaded = await self.admin.list_adapters(replica.url)
+        loaded = await self.admin.list_adapters(replica.admin_url, token)
         plan = plan_replica(desired, loaded, memory, replica.name, now)
         result = settle(plan, desired, now)
         for adapter in plan.unload:

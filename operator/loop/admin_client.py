@@ -21,7 +21,7 @@ ADAPTER_TIMEOUT_SECONDS = 60.0
 PATH = "/admin/config"
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
-MODELS_PATH = "/v1/models"
+ADAPTERS_PATH = "/admin/lora_adapters"
 ALREADY_LOADED = "has already been loaded"
 
 
@@ -77,13 +77,14 @@ class AdminClient:
             if e.status != 404:
                 raise
 
-    async def list_adapters(self, url: str) -> dict[str, str] | None:
-        """Adapter name -> path from the replica's public /v1/models (entries with a
-        parent); None when it cannot be read (an --api-key, an older server)."""
+    async def list_adapters(self, url: str, token: str) -> dict[str, str] | None:
+        """Adapter name -> path from the replica's admin port (the public /v1/models hides
+        paths); None when it cannot be read (an older server, a replica starting)."""
+        headers = {"Authorization": f"Bearer {token}"}
         try:
             async with (
                 aiohttp.ClientSession(timeout=self.timeout) as session,
-                session.get(url.rstrip("/") + MODELS_PATH) as resp,
+                session.get(url.rstrip("/") + ADAPTERS_PATH, headers=headers) as resp,
             ):
                 if resp.status != 200:
                     return None

@@ -64,3 +64,12 @@ async def patch_config(request: Request, ctx: ServerContext = Depends(require_ad
     for name, value in changes.items():
         logger.info("admin: %s %s -> %s", name, before[name], value)
     return await ctx.engine.call(_config_in_force)
+
+
+@router.get("/admin/lora_adapters")
+async def lora_adapters(ctx: ServerContext = Depends(require_admin)) -> dict:
+    """The loaded adapters with their directories as root, as vLLM's /v1/models shows them:
+    the operator compares them with its spec's sources. The public /v1/models hides paths."""
+    data = [{"id": a.name, "object": "model", "root": a.path,
+             "parent": a.base_model_name or ctx.served_model_name} for a in ctx.loras.values()]  # fmt: skip
+    return {"object": "list", "data": data}

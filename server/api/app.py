@@ -17,6 +17,7 @@ from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from batchpilot import __version__, names
 from batchpilot.server.api import admin, chat, completions, lora, probes, tokenize
@@ -120,6 +121,63 @@ def build_admin_app(context: ServerContext) -> FastAPI:
     app.include_router(lora.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=ADMIN_BODY_BYTES)
     return app
+
+
+class HeadLimitProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a bound on a request's head (request line and
+    headers): past config.h11_max_incomplete_event_size bytes, 431 and the connection closed.
+
+    httptools (llhttp) bounds no head, and uvicorn applies that option to h11 alone: a client
+    could make the server buffer a header flood of any size. h11 bounds it, but costs a third
+    more CPU per request (docs/api.md). The parser is fed no more of a head than
+    the limit allows. One shortfall: a read that ends one request and starts the next counts
+    none of the next one's head, which can then hold one read (256 KiB) more."""
+
+    def __init__(self, config: uvicorn.Config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.max_head_bytes = config.h11_max_incomplete_event_size
+        self.head_bytes: int | None = 0  # of the request being received; None in its body
+
+    def data_received(self, data: bytes) -> None:
+        if self.head_bytes is None:
+            return super().data_received(data)
+        room = self.max_head_bytes - self.head_bytes
+        self.head_bytes += min(len(data), room)
+        super().data_received(data[:room])
+        if len(data) <= room or self.transport.is_closing():  # closing: the parser's 400
+            return
+        if self.head_bytes == self.max_head_bytes:  # the same head, still incomplete
+            self._refuse_head()
+        else:  # the head ended (and maybe its request) within the room
+            self.data_received(data[room:])
+
+    def on_headers_complete(self) -> None:
+        self.head_bytes = None
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self.head_bytes = 0
+
+    def _refuse_head(self) -> None:
+        self.logger.warning("Request line and headers over %d bytes: 431.", self.max_head_bytes)
+        reason = b"Request Header Fields Too Large"
+        head = [b"HTTP/1.1 431 ", reason, b"\r\n"]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\n",
+                 b"content-length: %d\r\n\r\n" % len(reason), reason]  # fmt: skip
+        self.transport.write(b"".join(head))
+        self.transport.close()
+
+
+def uvicorn_config(app: FastAPI, args, port: int, **options) -> uvicorn.Config:
+    """Both listeners parse with HeadLimitProtocol: the admin port reads headers before the
+    token is checked."""
+    return uvicorn.Config(app, host=args.host, port=port, log_config=None,
+                          http=HeadLimitProtocol,
+                          h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+                          **options)  # fmt: skip
 
 
 class SideServer(uvicorn.Server):
@@ -226,19 +284,17 @@ def serve(args) -> int:
     async def end_remaining() -> None:
         await app.state.context.engine.shutdown()
 
-    uv_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_config=None,
-        timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE,
+    uv_config = uvicorn_config(
+        app, args, args.port, timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE,
         limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive,
-        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
     )  # fmt: skip
     server = DrainingServer(uv_config, app.state.context.lifecycle, args.shutdown_timeout,
                             end_remaining)  # fmt: skip
     admin_server = None
     if args.admin_token:
         admin_app = build_admin_app(app.state.context)
-        admin_server = SideServer(uvicorn.Config(admin_app, host=args.host, port=args.admin_port,
-                                                 log_config=None, lifespan="off"))  # fmt: skip
+        admin_server = SideServer(uvicorn_config(admin_app, args, args.admin_port,
+                                                 lifespan="off"))  # fmt: skip
         logger.info("admin API on http://%s:%d/admin", args.host, args.admin_port)
     with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:
         runner.run(_serve_both(server, admin_server, failed))

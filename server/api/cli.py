@@ -71,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--h11-max-incomplete-event-size",
         type=int,
         default=16 << 10,
-        help="bytes of request line and headers accepted before 400",
+        help="bytes of request line and headers accepted before 431 (vLLM's name; it bounds "
+        "httptools, the parser in use, too)",
     )
     g.add_argument(
         "--lora-modules",

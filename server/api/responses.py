@@ -76,12 +76,13 @@ def chunk(kind: str, request_id: str, model: str, created: int, choices: list[di
 
 
 def model_list(model: str, max_model_len: int, created: int, adapters=()) -> dict:
-    """The served model, then each LoRA adapter (cli.LoRAModule) as vLLM lists one: its
-    directory as root, its base model as parent."""
+    """The served model, then each LoRA adapter (lora_modules.LoRAModule), its base model as
+    parent. vLLM shows an adapter's directory as root; here root is its name, as the served
+    model's is, because anyone may read /v1/models and the server's paths are not theirs."""
     cards = [_model_card(model, model, None, max_model_len, created)]
     for a in adapters:
         parent = a.base_model_name or model
-        cards.append(_model_card(a.name, a.path, parent, max_model_len, created))
+        cards.append(_model_card(a.name, a.name, parent, max_model_len, created))
     return {"object": "list", "data": cards}
 
 

@@ -40,10 +40,11 @@ def test_the_api_server_refuses_bad_adapters(api, adapters_spec, message):
     assert e.value.status == 422 and message in e.value.body, e.value.body
 
 
-def served(srv) -> dict[str, str]:
-    """Adapter -> path, as the server lists them."""
-    models = httpx.get(srv.url + "/v1/models", timeout=10).json()["data"]
-    return {m["id"]: m["root"] for m in models if m.get("parent")}
+def served(srv, api, name: str = "lora") -> dict[str, str]:
+    """Adapter -> path, as the server lists them to the operator (its admin port)."""
+    headers = {"Authorization": f"Bearer {api.derived_token(name)}"}
+    answer = httpx.get(srv.admin_url + "/admin/lora_adapters", headers=headers, timeout=10)
+    return {m["id"]: m["root"] for m in answer.json()["data"] if m.get("parent")}
 
 
 def completes(srv, model: str) -> bool:
@@ -83,7 +84,7 @@ def test_adapters_load_live_and_unload_without_a_restart(api, tiny_path, adapter
             start(srv, api, "lora")
             wait_for("Ready", lambda: api.ready("lora"), timeout=LOOP_TIMEOUT, not_yet=not_found)
             until_states(api, "lora", {"sql": ["Loaded"]})
-            assert served(srv) == {"sql": adapters["sql"]} and completes(srv, "sql")
+            assert served(srv, api) == {"sql": adapters["sql"]} and completes(srv, "sql")
             dep = api.apps.read_namespaced_deployment("lora", api.ns)
             args = dep.spec.template.spec.containers[0].args
             assert "--enable-lora" in args and not any("lora-modules" in a for a in args)
@@ -93,7 +94,7 @@ def test_adapters_load_live_and_unload_without_a_restart(api, tiny_path, adapter
             api.patch("lora", {"adapters": both})
             wait_for(
                 "chat served",
-                lambda: "chat" in served(srv),
+                lambda: "chat" in served(srv, api),
                 timeout=LOOP_TIMEOUT,
                 not_yet=not_found,
             )
@@ -103,7 +104,7 @@ def test_adapters_load_live_and_unload_without_a_restart(api, tiny_path, adapter
             api.patch("lora", {"adapters": [{"name": "chat", "source": adapters["chat"]}]})
             wait_for(
                 "sql unloaded",
-                lambda: "sql" not in served(srv),
+                lambda: "sql" not in served(srv, api),
                 timeout=LOOP_TIMEOUT,
                 not_yet=not_found,
             )

@@ -1,9 +1,11 @@
 """Hostile requests against a live `batchpilot serve` (the tiny random Llama): each one is
 refused with a 4xx in OpenAI's error shape, and after each a normal request still
 succeeds and /health is 200. Then the queue bound counts a request's sequences as a
-whole, and a 4 MiB amplification body is refused quickly without growing the server."""
+whole, a 4 MiB amplification body is refused quickly without growing the server, and so is
+a header flood, on both ports."""
 
 import re
+import socket
 import threading
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ from tests.support.servers import TINY_FLAGS, ServerProcess
 from tests.support.wait import wait_for
 
 MODEL = "tiny"
+ADMIN_TOKEN = "admin-token-hostile-7c2a"
 MAX_MODEL_LEN = 2048  # room for a request that runs long enough to fill the queue behind it
 MAX_QUEUE_LEN = 4
 OOV = 10**9  # past any vocabulary
@@ -35,7 +38,8 @@ def server(tmp_path_factory):
     tiny = make_tiny_llama(tmp_path_factory.mktemp("tiny"))
     # One running sequence and a queue of 4, so the queue bound can be filled on purpose.
     args = ["--model", tiny, "--served-model-name", MODEL, *TINY_FLAGS, "--max-num-seqs", "1",
-            "--max-queue-len", str(MAX_QUEUE_LEN), "--max-model-len", str(MAX_MODEL_LEN)]  # fmt: skip
+            "--max-queue-len", str(MAX_QUEUE_LEN), "--max-model-len", str(MAX_MODEL_LEN),
+            "--admin-token", ADMIN_TOKEN]  # fmt: skip
     proc = ServerProcess(args, tmp_path_factory.mktemp("hostile") / "serve.log").start()
     yield proc
     proc.stop()
@@ -199,3 +203,54 @@ def test_a_4_mib_amplification_body_is_refused_quickly_in_bounded_memory(server)
     assert grown_mib < 256, f"RSS grew by {grown_mib:.0f} MiB"
     assert elapsed < 30, f"took {elapsed:.1f} s"  # about 1 s on an idle machine
     assert_still_serving(server)
+
+
+# A head that never ends, as a client could send it: a request line, one header or many.
+FLOOD_BYTES = 64 << 20
+FLOODS = {
+    "request line": (b"GET /v1/models?q=", b"a" * (64 << 10)),
+    "one header": (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: ", b"a" * (64 << 10)),
+    "many headers": (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n", b"X-Many: 0123456789\r\n" * 3000),
+}  # fmt: skip
+
+
+def flood(port: int, start: bytes, filler: bytes) -> tuple[bytes, int]:
+    """Send start, then filler until FLOOD_BYTES are sent or the server closes; return its
+    answer (b"" if none within 30 s) and the bytes sent. A small send buffer keeps what
+    the sockets hold, and so the bytes sent after the server stopped reading, under 1 MiB."""
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        try:
+            sock.sendall(start)
+            while sent < FLOOD_BYTES:
+                sock.sendall(filler)
+                sent += len(filler)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server closed the connection
+        sock.settimeout(30)
+        try:
+            return sock.recv(4096), sent
+        except (TimeoutError, ConnectionResetError):
+            return b"", sent
+
+
+@pytest.mark.parametrize("kind", FLOODS)
+@pytest.mark.parametrize("port", ["public", "admin"])
+def test_a_header_flood_is_refused_with_431_quickly_in_flat_memory(server, port, kind):
+    """The limit is --h11-max-incomplete-event-size (16 KiB), for httptools as for h11:
+    before, 48 MiB of one header grew the server by 130 MiB and got no answer."""
+    pid = server.process.pid
+    rss_before = _rss_kib(pid)
+    started = time.monotonic()
+    answer, sent = flood(server.admin_port if port == "admin" else server.port, *FLOODS[kind])
+    elapsed = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"), answer
+    assert sent < FLOOD_BYTES // 8, f"{sent} bytes sent before the server closed"
+    assert elapsed < 10, f"answered after {elapsed:.1f} s"  # milliseconds on an idle machine
+    grown_mib = (_rss_kib(pid) - rss_before) / 1024
+    assert grown_mib < 4, f"RSS grew by {grown_mib:.1f} MiB"
+    assert_still_serving(server)
+    admin = httpx.get(f"{server.admin_url}/admin/config", timeout=30,
+                      headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})  # fmt: skip
+    assert admin.status_code == 200, admin.text

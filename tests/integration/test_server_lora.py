@@ -7,6 +7,7 @@ import argparse
 import json
 import shutil
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -121,12 +122,16 @@ def test_adapter_chosen_by_model_gives_peft_greedy_tokens(server, expected):
     assert expected("sql") != expected(MODEL) != expected("chat"), "an adapter changed nothing"
 
 
-def test_models_list_adapters_with_root_and_parent(server, paths):
-    models = httpx.get(f"{server.url}/v1/models").json()["data"]
+def test_models_list_adapters_by_name_and_parent_never_their_paths(server, paths):
+    """vLLM shows an adapter's directory as root; /v1/models is anyone's to read, so root
+    is the adapter's name, as the served model's is."""
+    r = httpx.get(f"{server.url}/v1/models")
+    models = r.json()["data"]
     cards = {m["id"]: (m["root"], m["parent"], m["max_model_len"]) for m in models}
     assert [m["id"] for m in models] == [MODEL, "sql", "chat"]
-    assert cards == {MODEL: (MODEL, None, 512), "sql": (paths["sql"], MODEL, 512),
-                     "chat": (paths["chat"], "tiny-base", 512)}  # fmt: skip
+    assert cards == {MODEL: (MODEL, None, 512), "sql": ("sql", MODEL, 512),
+                     "chat": ("chat", "tiny-base", 512)}  # fmt: skip
+    assert str(Path(paths["sql"]).parent) not in r.text
 
 
 def test_unknown_model_and_unknown_adapter(server):
@@ -152,6 +157,13 @@ def test_load_and_unload_over_the_admin_port(server, paths, expected):
     r = admin_post(server, "load_lora_adapter", load)
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'late' added successfully."
     assert tokens_of(complete(server, "late")) == expected("late")
+    listed = httpx.get(f"{server.url}/v1/models")
+    assert listed.json()["data"][-1]["root"] == "late" and paths["late"] not in listed.text
+    # The operator's view, on the admin port behind the token, has the directories.
+    adapters_url = f"{server.admin_url}/admin/lora_adapters"
+    assert httpx.get(adapters_url, timeout=10).status_code == 401
+    with_paths = httpx.get(adapters_url, headers=ADMIN, timeout=10).json()["data"]
+    assert {a["id"]: a["root"] for a in with_paths}["late"] == paths["late"]
     # In use: the unload is refused until its requests are done.
     stream = threading.Thread(target=complete, args=(server, "late", 400))
     stream.start()

@@ -33,8 +33,8 @@ from batchpilot.operator.children.plan import effective_engine, plan_adapters
 from batchpilot.operator.children.pod import spec_problems
 from batchpilot.operator.crd.spec import SpecError, parse_spec
 from batchpilot.operator.loop.admin_client import (
+    ADAPTERS_PATH,
     LOAD_PATH,
-    MODELS_PATH,
     UNLOAD_PATH,
     AdapterRefused,
     AdminClient,
@@ -300,8 +300,8 @@ class FakeReplicas:
     async def replicas(self, namespace, name):
         return [Replica(p, f"http://{p}", f"http://{p}:8001") for p in self.loaded]
 
-    async def list_adapters(self, url):
-        pod = url.removeprefix("http://")
+    async def list_adapters(self, admin_url, token):
+        pod = admin_url.removeprefix("http://").removesuffix(":8001")
         return dict(self.loaded[pod]) if self.listable and pod not in self.down else None
 
     def _pod(self, admin_url: str) -> str:
@@ -439,7 +439,7 @@ def lora_replica(loaded: dict[str, str]) -> web.Application:
     app = web.Application()
     app.router.add_post(LOAD_PATH, load)
     app.router.add_post(UNLOAD_PATH, unload)
-    app.router.add_get(MODELS_PATH, models)
+    app.router.add_get(ADAPTERS_PATH, models)
     return app
 
 
@@ -472,7 +472,7 @@ def test_admin_client_loads_idempotently_and_tells_refusals_apart():
                 lambda c, u: c.load_adapter(u, TOKEN, "a", "/a"),  # already loaded: fine
                 lambda c, u: c.load_adapter(u, TOKEN, "b", "/corrupt"),
                 lambda c, u: c.load_adapter(u, TOKEN, "c", "/starting"),
-                lambda c, u: c.list_adapters(u),
+                lambda c, u: c.list_adapters(u, TOKEN),
                 lambda c, u: c.unload_adapter(u, TOKEN, "a"),
                 lambda c, u: c.unload_adapter(u, TOKEN, "a"),  # 404: already gone
             ],
@@ -494,7 +494,7 @@ def test_admin_client_unreachable_is_an_admin_error_and_no_listing_is_none():
     with pytest.raises(AdminError) as e:
         asyncio.run(client.load_adapter(url, TOKEN, "a", "/a"))
     assert not isinstance(e.value, AdapterRefused)
-    assert asyncio.run(client.list_adapters(url)) is None
+    assert asyncio.run(client.list_adapters(url, TOKEN)) is None
 
 
 # --------------------------------------------------------------------------- the law

@@ -153,7 +153,7 @@ def test_a_huge_adapter_refusal_is_a_failed_call_not_a_refusal():
 def test_a_huge_models_list_reads_as_unknown():
     answer = Answer()
     with replica(answer) as url:
-        loaded, seconds, _ = measured(AdminClient(timeout=5).list_adapters(url))
+        loaded, seconds, _ = measured(AdminClient(timeout=5).list_adapters(url, TOKEN))
     assert loaded is None and seconds < 2.5
     assert answer.sent < HUGE_BYTES // 4
 
