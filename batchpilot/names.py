@@ -81,6 +81,60 @@ KV_CACHE_INFO = "batchpilot:kv_cache_info"
 # vLLM's cache-config info family; GIE's endpoint picker reads block_size and num_gpu_blocks.
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 BATCH_SIZE = "batchpilot:batch_size"
+# For the closed loop's models of step time and of the workload (operator/loop/observe.py).
+# vLLM v1's per-request histograms, observed when a request finishes: mean time per output
+# token after the first (requests with two or more), prompt and output lengths.
+REQUEST_TIME_PER_OUTPUT_TOKEN = "vllm:request_time_per_output_token_seconds"
+REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"
+REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
+# Requests accepted into the engine (vLLM counts none).
+REQUEST_ARRIVALS = "batchpilot:request_arrivals_total"
+# Age of the oldest request waiting to be scheduled; 0 when none waits.
+OLDEST_WAITING_SECONDS = "batchpilot:oldest_waiting_seconds"
+# Step cost, by the labels below: the step's batch size rounded up to a bucket ("+Inf" past
+# the last) and whether it carried prompt tokens. A label set exists once a step had it,
+# so these are not in ALL_METRICS.
+STEP_BATCH_LABEL = "batch"
+STEP_PHASE_LABEL = "phase"
+STEP_PHASE_DECODE = "decode"  # no prompt tokens in the step
+STEP_PHASE_MIXED = "mixed"  # some prompt (prefill) tokens in the step
+ENGINE_STEPS = "batchpilot:engine_steps_total"
+ENGINE_STEP_SECONDS = "batchpilot:engine_step_seconds_total"
+ENGINE_STEP_SEQUENCES = "batchpilot:engine_step_sequences_total"
+ENGINE_STEP_DECODE_SEQUENCES = "batchpilot:engine_step_decode_sequences_total"
+ENGINE_STEP_PREFILL_TOKENS = "batchpilot:engine_step_prefill_tokens_total"
+ENGINE_STEP_CONTEXT_TOKENS = "batchpilot:engine_step_context_tokens_total"
+# Buckets of these families, here so that the server (server/api/metrics.py) and the
+# simulator (benchmarks/loopsim/metrics.py) share them. TPOT: vLLM's. Token counts: vLLM's
+# build_1_2_5_buckets, up to past any max_model_len served. Batch: the step's batch label.
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
+                         50000, 100000)  # fmt: skip
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def step_batch_label(batch_size: int) -> str:
+    """The batch label of a step of batch_size sequences: the smallest of BATCH_BUCKETS
+    that holds it, "+Inf" past the last."""
+    for bound in BATCH_BUCKETS:
+        if batch_size <= bound:
+            return str(bound)
+    return "+Inf"
+
+
+def step_phase_label(prefill_tokens: int) -> str:
+    return STEP_PHASE_MIXED if prefill_tokens > 0 else STEP_PHASE_DECODE
+
+
+STEP_COUNTERS = (
+    ENGINE_STEPS,
+    ENGINE_STEP_SECONDS,
+    ENGINE_STEP_SEQUENCES,
+    ENGINE_STEP_DECODE_SEQUENCES,
+    ENGINE_STEP_PREFILL_TOKENS,
+    ENGINE_STEP_CONTEXT_TOKENS,
+)
 # vLLM's LoRA gauge, which GIE's endpoint picker reads for adapter affinity: its value is a
 # timestamp, its labels the state (max_lora, the comma-joined running_lora_adapters and
 # waiting_lora_adapters). Not in ALL_METRICS: it exists only with LoRA on, and carries no
@@ -108,4 +162,9 @@ ALL_METRICS = (
     KV_CACHE_INFO,
     CACHE_CONFIG_INFO,
     BATCH_SIZE,
+    REQUEST_TIME_PER_OUTPUT_TOKEN,
+    REQUEST_PROMPT_TOKENS,
+    REQUEST_GENERATION_TOKENS,
+    REQUEST_ARRIVALS,
+    OLDEST_WAITING_SECONDS,
 )

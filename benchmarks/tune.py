@@ -44,13 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from batchpilot import names
 from batchpilot.operator.crd.spec import parse_spec
 from batchpilot.operator.loop.admin_client import AdminClient
-from batchpilot.operator.loop.judge import Targets, score
+from batchpilot.operator.loop.guardrails import TuneLimits
 from batchpilot.operator.loop.observe import Observer, Window, parse_metrics
 from batchpilot.operator.loop.scrape import UrlMetricsSource, on_port
 from batchpilot.operator.loop.state import settings_from_status
-from batchpilot.operator.loop.tune_rules import TuneLimits
 from batchpilot.operator.loop.tuner_state import EngineSettings
 from batchpilot.operator.loop.turn import ClosedLoop
+from batchpilot.operator.loop.verify import Targets, score
 from batchpilot.server.bench.server_process import running_server
 from benchmarks.realtune import report
 from benchmarks.realtune.load import ClosedLoad
@@ -131,9 +131,10 @@ def loop_score(w: Window | None, targets: Targets) -> dict | None:
         return None
     s = score(w, targets)
     return {
-        "goodput_tokens_per_second": s.goodput,
+        "slo_attainment": s.attainment,
+        "requests": s.requests,
         "tokens_per_second": s.throughput,
-        "itl_p99_s": s.itl_p99,
+        "tpot_p90_s": s.tpot_p90,
         "ttft_p99_s": s.ttft_p99,
         "waiting": s.waiting,
         "preemptions_per_minute": w.preemptions_per_minute,
@@ -195,13 +196,8 @@ def tuning_spec(start: int, args, lo: int, hi: int):
 
 
 def limits(args) -> TuneLimits:
-    return TuneLimits(
-        min_window_seconds=args.min_window,
-        min_latency_samples=args.min_samples,
-        retry_seconds=args.retry,
-        max_retry_seconds=8 * args.retry,
-        max_experiment_seconds=args.max_experiment,
-    )
+    """The shipped limits: a bench that shortens them measures another loop."""
+    return TuneLimits()
 
 
 async def looped(url: str, start: int, seconds: float, args, spec, concurrency: int,
@@ -394,14 +390,6 @@ def parse_args(argv=None):
     lp = p.add_argument_group("the loop (TuneLimits and spec.tuning, shortened for a bench)")
     lp.add_argument("--cooldown", type=int, default=20)
     lp.add_argument("--window", type=float, default=60.0, help="the loop's metrics window, s")
-    lp.add_argument("--min-window", type=float, default=20.0,
-                    help="TuneLimits.min_window_seconds (default 30)")  # fmt: skip
-    lp.add_argument("--min-samples", type=int, default=200,
-                    help="TuneLimits.min_latency_samples (default 500)")  # fmt: skip
-    lp.add_argument("--retry", type=float, default=120.0,
-                    help="TuneLimits.retry_seconds (default 900); max_retry is 8x")  # fmt: skip
-    lp.add_argument("--max-experiment", type=float, default=120.0,
-                    help="TuneLimits.max_experiment_seconds (default 900)")  # fmt: skip
     p.add_argument("--server-cpus", type=lambda s: {int(c) for c in s.split(",")}, default=None,
                    help="CPUs to pin the server to (default: the last); the load generator "
                    "and the loop get the others")  # fmt: skip

@@ -52,6 +52,14 @@ DESIRED_REPLICAS = Gauge(
     ["namespace", "name"],
     registry=REGISTRY,
 )
+# The tuner's model of one replica, for an HPA or KEDA to scale on (autoscaling.mode hpa or
+# keda): arrivals over 0.8 x this capacity is the replica count the loop's own scaler aims at.
+REPLICA_CAPACITY = Gauge(
+    "batchpilot_operator_replica_capacity_requests_per_second",
+    "Requests per second one replica completes within the SLO at the settings in force (the tuner's model)",
+    ["namespace", "name"],
+    registry=REGISTRY,
+)
 LOOP_ROUNDS = Counter(
     "batchpilot_operator_loop_rounds",
     "Closed-loop rounds run, per InferenceService",

@@ -14,6 +14,7 @@ lastTransitionTime (kept while the status does not change) and observedGeneratio
 from __future__ import annotations
 
 import datetime as dt
+import time
 from dataclasses import dataclass
 
 from batchpilot.operator.bounds import clip
@@ -25,6 +26,7 @@ READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 LOOP_BLIND = "LoopBlind"
+PLANT_DEGRADED = "PlantDegraded"
 
 # Problems the operator finds with the spec or with applying it. A status refresh from a Deployment event keeps
 # them for the generation they were found in; the next full reconcile re-evaluates them.
@@ -239,6 +241,19 @@ def loop_blind(prev: dict | None) -> tuple[bool, str, str] | None:
     return False, "ReplicasScraped", "enough replicas answer their scrape to decide"
 
 
+def plant_degraded(prev: dict | None, now: float) -> tuple[bool, str, str] | None:
+    """From the tuner's model (status.tuning.model): True while a change of the machine
+    (its step time left the model) freezes tuning; None before the tuner has a model."""
+    model = ((prev or {}).get("tuning") or {}).get("model")
+    if not isinstance(model, dict):
+        return None
+    until = model.get("degradedUntil")
+    if isinstance(until, int | float) and now < until:
+        why = str(model.get("degradedReason") or "the step time left the model")
+        return True, "StepTimeChanged", f"{why}: tuning frozen"
+    return False, "StepTimeAsModelled", "the replicas' step time matches the tuner's model"
+
+
 def compute_status(
     *,
     name: str,
@@ -271,6 +286,11 @@ def compute_status(
     blind = loop_blind(prev)
     if blind is not None:
         status["conditions"].append(_condition(prev, LOOP_BLIND, *blind, generation, now))
+    degraded_plant = plant_degraded(prev, time.time())
+    if degraded_plant is not None:
+        status["conditions"].append(
+            _condition(prev, PLANT_DEGRADED, *degraded_plant, generation, now)
+        )
     if url:
         status["url"] = url
     if d and d.image:

@@ -43,6 +43,27 @@ class EngineModel:
     block_size: int = 16
     bytes_per_block_16bit: int = 368_640
     swap_bytes_per_s: float = 8e9
+    # A plant's extras (benchmarks/loopsim/SCHEMA.md), off in both calibrations above: a
+    # superlinear batch term (x decodes squared) and CUDA-graph capture sizes, to which a
+    # decode batch is padded up (a batch above the largest runs unpadded).
+    step_per_seq_sq_s: float = 0.0
+    graph_sizes: tuple[int, ...] = ()
+
+    def step_seconds(self, decodes: int, context_tokens: int, prefill_tokens: int) -> float:
+        """One step's compute: ``decodes`` decoding sequences holding ``context_tokens`` in
+        all, plus ``prefill_tokens`` of prompt chunks (swaps and noise are the caller's)."""
+        batch = decodes
+        if self.graph_sizes and decodes:
+            batch = next((g for g in self.graph_sizes if g >= decodes), decodes)
+        seconds = (
+            self.step_base_s
+            + self.step_per_seq_s * batch
+            + self.step_per_context_token_s * context_tokens
+            + self.prefill_per_token_s * prefill_tokens
+        )
+        if self.step_per_seq_sq_s:
+            seconds += self.step_per_seq_sq_s * batch * batch
+        return seconds
 
     def block_bytes(self, kv_cache_dtype: str) -> int:
         return self.bytes_per_block_16bit // (2 if is_fp8(kv_cache_dtype) else 1)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from batchpilot import names
 
@@ -21,6 +22,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+# The loop's model inputs: the server takes these from names.py too.
+TPOT_BUCKETS = names.TPOT_BUCKETS
+REQUEST_TOKEN_BUCKETS = names.REQUEST_TOKEN_BUCKETS
 MODEL_NAME = names.DEFAULT_SERVED_MODEL_NAME
 
 
@@ -38,9 +42,36 @@ class Histogram:
     def family(self, name: str, doc: str) -> HistogramMetricFamily:
         family = HistogramMetricFamily(name, doc, labels=[names.METRIC_LABEL])
         cumulative = list(itertools.accumulate(self.counts))
-        les = [*(str(b) for b in self.bounds), "+Inf"]
+        # As prometheus_client's Histogram writes them (the server's): 1 as "1.0".
+        les = [*(floatToGoString(b) for b in self.bounds), "+Inf"]
         family.add_metric([MODEL_NAME], list(zip(les, cumulative, strict=True)), self.sum)
         return family
+
+
+class StepCells:
+    """The step-cost counters (names.STEP_COUNTERS, in that order) by (batch, phase) label,
+    as the server keeps them: a label set exists once a step had it."""
+
+    def __init__(self):
+        self.cells: dict[tuple[str, str], list[float]] = {}
+
+    def record(
+        self, batch: int, seconds: float, decodes: int, prefill_tokens: int, context_tokens: int
+    ) -> None:
+        key = (names.step_batch_label(batch), names.step_phase_label(prefill_tokens))
+        cell = self.cells.get(key)
+        if cell is None:
+            cell = self.cells[key] = [0.0] * len(names.STEP_COUNTERS)
+        for i, value in enumerate((1, seconds, batch, decodes, prefill_tokens, context_tokens)):
+            cell[i] += value
+
+    def families(self):
+        labels = [names.METRIC_LABEL, names.STEP_BATCH_LABEL, names.STEP_PHASE_LABEL]
+        for i, name in enumerate(names.STEP_COUNTERS):
+            family = CounterMetricFamily(name.removesuffix("_total"), name, labels=labels)
+            for (batch, phase), cell in self.cells.items():
+                family.add_metric([MODEL_NAME, batch, phase], cell[i])
+            yield family
 
 
 def metrics_text(replica: ReplicaSim) -> str:
@@ -62,7 +93,11 @@ class _Collector:
             (names.KV_CACHE_USAGE, 1 - r.free_blocks / r.num_blocks),
             (names.MAX_NUM_SEQS_METRIC, r.max_num_seqs),
             (names.MAX_NUM_BATCHED_TOKENS_METRIC, r.max_num_batched_tokens),
-        )
+            # In simulated time; a preempted sequence back in the queue counts, as it does
+            # on the server.
+            (names.OLDEST_WAITING_SECONDS,
+             max(0.0, r.time - r.waiting[0].req.arrival) if r.waiting else 0.0),
+        )  # fmt: skip
         for name, value in gauges:
             yield _gauge(name, value)
         counters = (
@@ -71,6 +106,7 @@ class _Collector:
             (names.SWAPS_IN, "swaps_in"),
             (names.GENERATION_TOKENS, "gen"),
             (names.PROMPT_TOKENS, "prompt"),
+            (names.REQUEST_ARRIVALS, "arrivals"),
         )
         for name, key in counters:
             family = CounterMetricFamily(name.removesuffix("_total"), name, labels=label)
@@ -78,6 +114,10 @@ class _Collector:
             yield family
         yield r.ttft.family(names.TIME_TO_FIRST_TOKEN, "time to first token")
         yield r.itl.family(names.INTER_TOKEN_LATENCY, "inter-token latency")
+        yield r.tpot.family(names.REQUEST_TIME_PER_OUTPUT_TOKEN, "time per output token")
+        yield r.prompt_tokens.family(names.REQUEST_PROMPT_TOKENS, "prompt tokens")
+        yield r.generation_tokens.family(names.REQUEST_GENERATION_TOKENS, "output tokens")
+        yield from r.step_cells.families()
         info = GaugeMetricFamily(
             names.KV_CACHE_INFO, "kv", labels=[*label, "dtype", "block_size", "num_blocks"]
         )

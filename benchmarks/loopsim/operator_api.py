@@ -7,8 +7,8 @@ from __future__ import annotations
 from batchpilot.operator.children.plan import effective_engine, start_engine
 from batchpilot.operator.crd.engine import EngineSpec
 from batchpilot.operator.crd.spec import InferenceServiceSpec
+from batchpilot.operator.loop.guardrails import TuneLimits
 from batchpilot.operator.loop.state import LoopState
-from batchpilot.operator.loop.tune_rules import TuneLimits
 from batchpilot.operator.loop.tuner_state import EngineSettings
 
 __all__ = [

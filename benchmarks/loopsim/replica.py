@@ -24,7 +24,16 @@ from collections import deque
 from dataclasses import dataclass
 
 from benchmarks.loopsim.calibration import EngineModel
-from benchmarks.loopsim.metrics import ITL_BUCKETS, TTFT_BUCKETS, Histogram, metrics_text
+from benchmarks.loopsim.metrics import (
+    ITL_BUCKETS,
+    REQUEST_TOKEN_BUCKETS,
+    TPOT_BUCKETS,
+    TTFT_BUCKETS,
+    Histogram,
+    StepCells,
+    metrics_text,
+)
+from benchmarks.loopsim.noise import step_factor
 from benchmarks.loopsim.workloads import Request
 
 
@@ -115,9 +124,16 @@ class ReplicaSim:
         self._decoding = 0
         self._ends: list[tuple[int, int, _Seq]] = []
         self._ids = itertools.count()
-        self.counters = dict.fromkeys(("preemptions", "swaps_out", "swaps_in", "gen", "prompt"), 0)
+        self.counters = dict.fromkeys(
+            ("preemptions", "swaps_out", "swaps_in", "gen", "prompt", "arrivals"), 0
+        )
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)  # per finished request with 2+ output tokens
+        self.prompt_tokens = Histogram(REQUEST_TOKEN_BUCKETS)
+        self.generation_tokens = Histogram(REQUEST_TOKEN_BUCKETS)
+        self.step_cells = StepCells()
+        self._step_prefill_seqs = 0  # sequences that took a prefill chunk in this step
         self.done: list[Finished] = []
 
     @property
@@ -133,6 +149,7 @@ class ReplicaSim:
 
     def submit(self, req: Request) -> None:
         self.waiting.append(_Seq(req))
+        self.counters["arrivals"] += 1
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.swapped)
@@ -153,17 +170,12 @@ class ReplicaSim:
         prefill, prefilled = self._prefill(budget)
         if not decodes and not prefill:
             return None
-        m = self.model
-        seconds += (
-            m.step_base_s
-            + m.step_per_seq_s * decodes
-            + m.step_per_context_token_s * (self._context_base + decodes * s)
-            + m.prefill_per_token_s * prefill
-        )
-        if self.noise and self._rng.random() < self.noise.probability:
-            seconds *= self.noise.factor
+        seconds += self.model.step_seconds(decodes, self._context_base + decodes * s, prefill)
+        if self.noise:
+            seconds *= step_factor(self.noise, self.time, self._rng)
         self.time += seconds
         self.steps = s + 1
+        self._record_step(s, seconds, decodes, prefill)
         if decodes:
             self.itl.observe(seconds, decodes)
             self.counters["gen"] += decodes
@@ -171,6 +183,14 @@ class ReplicaSim:
         for seq in prefilled:
             self._first_token(seq)
         return seconds
+
+    def _record_step(self, s: int, seconds: float, decodes: int, prefill: int) -> None:
+        """The step-cost counters, as the server counts them: every running sequence that
+        computed in the step, and the decoding ones' tokens in the KV cache (all but the
+        last sampled)."""
+        context = self._context_base + decodes * s - decodes
+        batch = decodes + self._step_prefill_seqs
+        self.step_cells.record(batch, seconds, decodes, prefill, context)
 
     def _grow(self, s: int) -> float:
         """Decoding sequences at a block boundary take a block; preempt the newest running
@@ -185,7 +205,7 @@ class ReplicaSim:
     def _prefill(self, budget: int) -> tuple[int, list[_Seq]]:
         """Prefill chunks within ``budget``: admitted prompts first, then admissions.
         Returns the tokens prefilled and the sequences whose prompt is now complete."""
-        tokens, complete = 0, []
+        tokens, complete, chunks = 0, [], 0
         for seq in self.prefilling:
             if budget <= 0:
                 break
@@ -193,6 +213,7 @@ class ReplicaSim:
             seq.todo -= n
             budget -= n
             tokens += n
+            chunks += 1
         while (
             self.waiting
             and not self.swapped
@@ -211,8 +232,10 @@ class ReplicaSim:
             seq.todo = total - n
             budget -= n
             tokens += n
+            chunks += 1
             self.running[seq] = None
             self.prefilling.append(seq)
+        self._step_prefill_seqs = chunks
         complete = [seq for seq in self.prefilling if seq.todo == 0]
         if complete:
             self.prefilling = [seq for seq in self.prefilling if seq.todo]
@@ -277,7 +300,12 @@ class ReplicaSim:
 
     def _record(self, seq: _Seq) -> None:
         req = seq.req
-        self.done.append(Finished(req.arrival, seq.first_token, self.time, req.output_len))
+        finished = Finished(req.arrival, seq.first_token, self.time, req.output_len)
+        self.done.append(finished)
+        self.prompt_tokens.observe(req.prompt_len)
+        self.generation_tokens.observe(req.output_len)
+        if req.output_len >= 2:
+            self.tpot.observe(finished.tpot)
 
     # -- preemption and swapping
 

@@ -71,10 +71,12 @@ class TuningSpec(CamelModel):
     """May the tuner switch the KV cache to fp8 and back: to fp8 when memory-bound, back
     when fp8 does not pay (each switch is a rolling restart)."""
     target_inter_token_latency_seconds: float = Field(0.1, gt=0, le=60)
-    """P99 inter-token latency above this lowers max_num_seqs.
-    spec.slo.interTokenLatencySeconds, when set, takes precedence."""
+    """The mean time per output token a request should see (its TPOT), at most: the
+    tuner plans max_num_seqs within it. spec.slo.interTokenLatencySeconds, when set, takes
+    precedence."""
     cooldown_seconds: int = Field(120, ge=0, le=86400)
-    """Least time between two tuning decisions."""
+    """Least time between a change and the next planned one (the loop's dwell is never
+    under 10 minutes; guardrails do not wait)."""
 
 
 class SLOSpec(CamelModel):
@@ -84,5 +86,6 @@ class SLOSpec(CamelModel):
     time_to_first_token_seconds: float = Field(2.0, gt=0, le=600)
     """Time to first token a request should see, at most."""
     inter_token_latency_seconds: float | None = Field(None, gt=0, le=60)
-    """Time between two output tokens a request should see, at most. Default:
+    """Mean time per output token a request should see (TPOT: from its first token to its
+    last, over its tokens after the first), at most. Default:
     tuning.targetInterTokenLatencySeconds."""

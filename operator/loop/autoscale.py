@@ -125,9 +125,25 @@ def measured_capacities(
 
 
 def recommend(
+    window: Window | None,
+    spec: AutoscalingSpec,
+    current: int,
+    capacity: float | None,
+    by_model: int | None = None,
+) -> tuple[int, str]:
+    """The raw law: (replicas, why), before stabilization, steps and bounds. ``by_model``:
+    the replicas the tuner's model sizes the service at (the decayed arrival rate over 0.8 x
+    a replica's capacity within the SLO); the queue law is the fast guard, and the larger
+    of the two rules."""
+    raw, why = _queue_law(window, spec, current, capacity)
+    if by_model is not None and by_model > raw:
+        return by_model, f"the model's capacity needs {by_model} replicas; the queue law: {why}"
+    return raw, why
+
+
+def _queue_law(
     window: Window | None, spec: AutoscalingSpec, current: int, capacity: float | None
 ) -> tuple[int, str]:
-    """The raw law: (replicas, why), before stabilization, steps and bounds."""
     if window is None or window.replicas == 0:
         return current, "no metrics: holding"
     slots = _slots_per_replica(window)
@@ -180,10 +196,12 @@ def decide_replicas(
     now: float,
     history: ScaleHistory = ScaleHistory(),
     settings: str = "",
+    by_model: int | None = None,
 ) -> ScaleDecision:
-    """``settings``: the key of the engine settings in force (EngineSettings.key)."""
+    """``settings``: the key of the engine settings in force (EngineSettings.key);
+    ``by_model``: the replicas the tuner's model sizes the service at."""
     capacities = measured_capacities(window, history, settings)
-    raw, why = recommend(window, spec, current, dict(capacities).get(settings))
+    raw, why = recommend(window, spec, current, dict(capacities).get(settings), by_model)
     # A service seen for the first time has its current count as the only recommendation
     # so far: a first burst waits out the up-window like any other.
     recommendations = history.recommendations or (Recommendation(current, now),)

@@ -5,7 +5,7 @@
 counter rates (resets handled as Prometheus' ``increase`` does) and latency P99s from
 histogram bucket deltas. Parsing goes through ``prometheus_client.parser`` only. A replica
 whose scrape failed (scrape.py), or whose answer is not the server's metrics, is skipped
-and counted, never raised.
+and counted, never raised. The step-cost cells are observe_steps.py's.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchpilot import names
 from batchpilot.operator.bounds import clip
+from batchpilot.operator.loop import observe_steps
+from batchpilot.operator.loop.observe_steps import StepCell, StepKey
 
 if TYPE_CHECKING:
     from batchpilot.operator.loop.scrape import Scrape
@@ -34,9 +36,16 @@ GAUGES = (
     names.KV_CACHE_USAGE,
     names.MAX_NUM_SEQS_METRIC,
     names.MAX_NUM_BATCHED_TOKENS_METRIC,
+    names.OLDEST_WAITING_SECONDS,
 )
-COUNTERS = (names.NUM_PREEMPTIONS, names.SWAPS_OUT, names.GENERATION_TOKENS)
-HISTOGRAMS = (names.TIME_TO_FIRST_TOKEN, names.INTER_TOKEN_LATENCY)
+COUNTERS = (names.NUM_PREEMPTIONS, names.SWAPS_OUT, names.GENERATION_TOKENS, names.REQUEST_ARRIVALS)
+HISTOGRAMS = (
+    names.TIME_TO_FIRST_TOKEN,
+    names.INTER_TOKEN_LATENCY,
+    names.REQUEST_TIME_PER_OUTPUT_TOKEN,
+    names.REQUEST_PROMPT_TOKENS,
+    names.REQUEST_GENERATION_TOKENS,
+)
 
 Buckets = tuple[tuple[float, float], ...]  # ((upper bound "le", cumulative count), ...)
 
@@ -58,6 +67,10 @@ class Sample:
     buckets: dict[str, Buckets]
     kv_cache_dtype: str | None = None
     lora: LoraInfo | None = None
+    sums: dict[str, float] = field(default_factory=dict)  # histogram name -> its _sum
+    steps: dict[StepKey, list[float]] = field(default_factory=dict)  # observe_steps.py
+    kv_num_blocks: int | None = None  # kv_cache_info's labels
+    kv_block_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -96,11 +109,21 @@ def _newest_lora(samples: list) -> LoraInfo | None:
         return None
 
 
+def _add(into: dict[Any, float], key: Any, value: float) -> None:
+    into[key] = into.get(key, 0.0) + value
+
+
+def _optional_int(labels: dict[str, str], key: str) -> int | None:
+    return int(labels[key]) if labels.get(key, "").isdigit() else None  # odd: unknown
+
+
 def parse_metrics(text: str, now: float) -> Sample:
     gauges: dict[str, float] = {}
     counters: dict[str, float] = {}
     buckets: dict[str, dict[float, float]] = {h: {} for h in HISTOGRAMS}
-    kv_dtype = lora = None
+    sums: dict[str, float] = {}
+    steps: dict[StepKey, list[float]] = {}
+    lora, info = None, {}
     try:
         for family in text_string_to_metric_families(text):
             if family.name == names.LORA_REQUESTS_INFO:
@@ -108,15 +131,18 @@ def parse_metrics(text: str, now: float) -> Sample:
                 continue
             for s in family.samples:
                 if s.name in GAUGES:
-                    gauges[s.name] = gauges.get(s.name, 0.0) + s.value
+                    _add(gauges, s.name, s.value)
                 elif s.name in COUNTERS:
-                    counters[s.name] = counters.get(s.name, 0.0) + s.value
+                    _add(counters, s.name, s.value)
                 elif s.name.endswith("_bucket") and family.name in buckets:
-                    le = float(s.labels["le"])
-                    by_le = buckets[family.name]
-                    by_le[le] = by_le.get(le, 0.0) + s.value
+                    _add(buckets[family.name], float(s.labels["le"]), s.value)
+                elif s.name.endswith("_sum") and family.name in buckets:
+                    _add(sums, family.name, s.value)
                 elif s.name == names.KV_CACHE_INFO:
-                    kv_dtype = s.labels.get("dtype", kv_dtype)
+                    info = s.labels
+                else:
+                    observe_steps.add_step_sample(steps, s)
+        num_blocks, block_size = (_optional_int(info, k) for k in ("num_blocks", "block_size"))
     except (ValueError, KeyError, TypeError) as e:
         raise MalformedMetrics(f"unparseable metrics: {e}") from e
     if names.NUM_REQUESTS_RUNNING not in gauges:
@@ -126,8 +152,12 @@ def parse_metrics(text: str, now: float) -> Sample:
         gauges=gauges,
         counters=counters,
         buckets={h: tuple(sorted(b.items())) for h, b in buckets.items()},
-        kv_cache_dtype=kv_dtype,
+        kv_cache_dtype=info.get("dtype"),
         lora=lora,
+        sums=sums,
+        steps=steps,
+        kv_num_blocks=num_blocks,
+        kv_block_size=block_size,
     )
 
 
@@ -214,6 +244,19 @@ class Window:
     # taken and batch slots free (LoraInfo.bottleneck); a mean over replicas when merged.
     lora_bottleneck: float = 0.0
     max_loras: dict[str, int] = field(default_factory=dict)  # replica URL -> in force
+    # For the loop's models of workload and step time, per finished request: its mean time
+    # per output token after the first (2+ tokens), its prompt and output lengths (and sums).
+    tpot_buckets: Buckets = ()
+    prompt_tokens_buckets: Buckets = ()
+    output_tokens_buckets: Buckets = ()
+    prompt_tokens_sum: float = 0.0
+    output_tokens_sum: float = 0.0
+    requests_finished: float = 0.0
+    arrivals_per_second: float = 0.0  # requests accepted, summed over replicas
+    oldest_waiting_seconds: float = 0.0  # the latest scrape's; the longest over replicas
+    steps: tuple[StepCell, ...] = ()  # step-cost increases by (batch_le, phase)
+    kv_num_blocks: dict[str, int] = field(default_factory=dict)  # replica URL -> KV blocks
+    kv_block_size: int | None = None  # the value most replicas report
 
     @property
     def ttft_p99(self) -> float | None:
@@ -222,6 +265,10 @@ class Window:
     @property
     def itl_p99(self) -> float | None:
         return histogram_quantile(0.99, self.itl_buckets)
+
+    @property
+    def tpot_p90(self) -> float | None:
+        return histogram_quantile(0.9, self.tpot_buckets)
 
     def per_replica(self, total: float) -> float:
         return total / self.replicas if self.replicas else 0.0
@@ -248,7 +295,12 @@ class Window:
             "swapsPerMinute": round(self.swaps_per_minute, 2),
             "generationTokensPerSecond": round(self.generation_tokens_per_second, 1),
         }
-        for key, value in (("ttftP99Seconds", self.ttft_p99), ("itlP99Seconds", self.itl_p99)):
+        quantiles = (
+            ("ttftP99Seconds", self.ttft_p99),
+            ("itlP99Seconds", self.itl_p99),
+            ("tpotP90Seconds", self.tpot_p90),
+        )
+        for key, value in quantiles:
             if value is not None:
                 out[key] = round(value, 4)
         return out
@@ -301,6 +353,33 @@ def replica_window(url: str, samples: Sequence[Sample]) -> Window:
         kv_cache_dtype={url: last.kv_cache_dtype} if last.kv_cache_dtype else {},
         lora_bottleneck=sum(starved) / len(starved) if starved else 0.0,
         max_loras={url: last.lora.max_loras} if last.lora else {},
+        arrivals_per_second=rate(names.REQUEST_ARRIVALS),
+        **_model_inputs(url, samples),
+    )
+
+
+def _model_inputs(url: str, samples: Sequence[Sample]) -> dict[str, Any]:
+    """One replica's Window fields for the loop's models of the workload and step time."""
+    last = samples[-1]
+
+    def histogram(name: str) -> Buckets:
+        return bucket_increase([s.buckets.get(name, ()) for s in samples])
+
+    def total(name: str) -> float:
+        return increase([s.sums.get(name, 0.0) for s in samples])
+
+    output = histogram(names.REQUEST_GENERATION_TOKENS)
+    return dict(
+        tpot_buckets=histogram(names.REQUEST_TIME_PER_OUTPUT_TOKEN),
+        prompt_tokens_buckets=histogram(names.REQUEST_PROMPT_TOKENS),
+        output_tokens_buckets=output,
+        prompt_tokens_sum=total(names.REQUEST_PROMPT_TOKENS),
+        output_tokens_sum=total(names.REQUEST_GENERATION_TOKENS),
+        requests_finished=output[-1][1] if output else 0.0,
+        oldest_waiting_seconds=last.gauges.get(names.OLDEST_WAITING_SECONDS, 0.0),
+        steps=observe_steps.step_increase([s.steps for s in samples]),
+        kv_num_blocks={url: last.kv_num_blocks} if last.kv_num_blocks is not None else {},
+        kv_block_size=last.kv_block_size,
     )
 
 
@@ -329,6 +408,17 @@ def merge_windows(windows: Sequence[Window]) -> Window | None:
         lora_bottleneck=sum(w.lora_bottleneck * w.replicas for w in windows)
         / max(1, sum(w.replicas for w in windows)),
         max_loras={k: v for w in windows for k, v in w.max_loras.items()},
+        tpot_buckets=merge_buckets(w.tpot_buckets for w in windows),
+        prompt_tokens_buckets=merge_buckets(w.prompt_tokens_buckets for w in windows),
+        output_tokens_buckets=merge_buckets(w.output_tokens_buckets for w in windows),
+        prompt_tokens_sum=sum(w.prompt_tokens_sum for w in windows),
+        output_tokens_sum=sum(w.output_tokens_sum for w in windows),
+        requests_finished=sum(w.requests_finished for w in windows),
+        arrivals_per_second=sum(w.arrivals_per_second for w in windows),
+        oldest_waiting_seconds=max(w.oldest_waiting_seconds for w in windows),
+        steps=observe_steps.merge_steps(w.steps for w in windows),
+        kv_num_blocks={k: v for w in windows for k, v in w.kv_num_blocks.items()},
+        kv_block_size=_most_common(w.kv_block_size for w in windows if w.kv_block_size),
     )
 
 

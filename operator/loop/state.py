@@ -30,10 +30,12 @@ from batchpilot.operator.loop.autoscale import (
     ScaleHistory,
 )
 from batchpilot.operator.loop.idle import IdleState
+from batchpilot.operator.loop.model_state import ModelState
 from batchpilot.operator.loop.timestamps import maybe_timestamp, parse_timestamp, timestamp
 from batchpilot.operator.loop.tuner_state import (
     EngineSettings,
     Experiment,
+    Move,
     TuneDecision,
     Verdict,
 )
@@ -175,35 +177,22 @@ class TunerState:
     experiment: Experiment | None = None
     verdicts: tuple[Verdict, ...] = ()
     history: tuple[TuneDecision, ...] = ()
+    model: ModelState = field(default_factory=ModelState)
+    planned_epoch: int | None = None  # the model epoch the last plan was made under
+    planned_at: float | None = None
+    planned_requests: float = 0.0  # the demand's evidence then (a plan is redone once it doubles)
 
     @property
     def last_change(self) -> float | None:
         return max((d.time for d in self.history), default=None)
 
-    def blocked(
-        self, settings: EngineSettings, now: float, load: float | None = None
-    ) -> Verdict | None:
-        """The verdict that forbids trying ``settings`` now (at ``load``), if any."""
-        return next(
-            (v for v in self.verdicts if v.settings == settings.key and v.blocks(now, load)),
-            None,
-        )
+    def blocked(self, move: Move, epoch: int) -> Verdict | None:
+        """The verdict that forbids ``move`` under the model's ``epoch``, if any."""
+        return next((v for v in self.verdicts if v.settings == move.key and v.blocks(epoch)), None)
 
-    def judged(
-        self,
-        settings: EngineSettings,
-        kept: bool,
-        now: float,
-        base: float,
-        cap: float,
-        load: float | None = None,
-    ) -> TunerState:
-        """Remember a verdict on ``settings``: kept clears its strikes, rejected backs off."""
-        old = next((v for v in self.verdicts if v.settings == settings.key), None)
-        strikes = 0 if kept else (old.strikes if old else 0) + 1
-        wait = 0.0 if kept else min(cap, base * 2 ** (strikes - 1))
-        verdict = Verdict(settings.key, kept, now, strikes, now + wait, load)
-        others = tuple(v for v in self.verdicts if v.settings != settings.key)
+    def judged(self, move: Move, kept: bool, now: float, epoch: int) -> TunerState:
+        verdict = Verdict(move.key, kept, now, epoch)
+        others = tuple(v for v in self.verdicts if v.settings != move.key)
         return replace(self, verdicts=(*others, verdict)[-VERDICTS_KEPT:])
 
     def decided(self, d: TuneDecision, experiment: Experiment | None) -> TunerState:
@@ -221,11 +210,17 @@ class TunerState:
         except (KeyError, TypeError, ValueError):
             settings = None
         experiments = _parsed([tuning.get("experiment")], Experiment.from_status)
+        models = _parsed([tuning.get("model")], ModelState.from_status)
+        plan = _field(tuning, "plan")
         return cls(
             settings=settings,
             experiment=experiments[0] if experiments else None,
             verdicts=tuple(_parsed(tuning.get("verdicts"), Verdict.from_status)),
             history=tuple(_parsed(tuning.get("history"), TuneDecision.from_status)),
+            model=models[0] if models else ModelState(),
+            planned_epoch=_count(plan.get("epoch")),
+            planned_at=_number(plan.get("time")),
+            planned_requests=_number(plan.get("requests")) or 0.0,
         )
 
     def to_status(
@@ -243,6 +238,12 @@ class TunerState:
             "experiment": self.experiment.to_status() if self.experiment else None,
             "verdicts": [v.to_status() for v in self.verdicts],
             "history": [d.to_status() for d in self.history],
+            "model": self.model.to_status(),
+            "plan": {
+                "epoch": self.planned_epoch,
+                "time": self.planned_at,
+                "requests": round(self.planned_requests, 1),
+            },
         }
         if not_applied is not None:
             out["notApplied"] = [

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from kubernetes import client
@@ -33,13 +34,14 @@ from batchpilot.operator.loop.state import LoopState
 from batchpilot.operator.loop.timestamps import maybe_timestamp
 from batchpilot.operator.loop.tuner_state import EngineSettings
 from batchpilot.operator.loop.turn import ClosedLoop, LoopOutcome
+from batchpilot.operator.status import plant_degraded
 
 if TYPE_CHECKING:
     from batchpilot.operator.reconcile import Reconciler
 
 log = logging.getLogger("batchpilot.operator.loop")
 # Events that say the loop could not do its job (the others report what it decided).
-WARNING_REASONS = frozenset({"LoopBlind", "TuningAbandoned"})
+WARNING_REASONS = frozenset({"LoopBlind", "TuningAbandoned", "PlantDegraded"})
 
 
 def adapters_wanted(spec: dict, status: dict) -> bool:
@@ -96,6 +98,8 @@ def count(namespace: str, name: str, outcome: LoopOutcome, replicas: int) -> Non
     d = outcome.tuning
     if d is not None and d.changes and d.kind is not None:
         probes.DECISIONS.labels(namespace, name, d.kind, d.action).inc()
+    if outcome.capacity is not None:
+        probes.REPLICA_CAPACITY.labels(namespace, name).set(outcome.capacity)
     if outcome.desired_replicas is not None:
         probes.DESIRED_REPLICAS.labels(namespace, name).set(outcome.desired_replicas)
         if outcome.desired_replicas != replicas:
@@ -205,7 +209,10 @@ class LoopTimer:
         # The patch replaces whole top-level keys, so this is the status it leaves.
         after = {**status, **outcome.status_patch}
         was_blind = bool((status.get("metrics") or {}).get("loopBlind"))
-        if LoopState.from_status(status) != LoopState.from_status(after) or was_blind != bool(
-            outcome.blind
-        ):  # new settings or replicas for the children, or the LoopBlind condition flips
+        now = time.time()
+        if (
+            LoopState.from_status(status) != LoopState.from_status(after)
+            or was_blind != bool(outcome.blind)
+            or plant_degraded(status, now) != plant_degraded(after, now)
+        ):  # new settings or replicas for the children, or a loop condition flips
             await asyncio.to_thread(self.rec.reconcile_by_name, ns, name, logger)

@@ -1,48 +1,37 @@
-"""The tuner's control law: which engine change to try next, and the verdict on the one on
-trial. Pure: no I/O, no clock; the tuner's memory comes in as a ``TunerState``.
+"""The tuner's law (the loop v3): a model of the replica picks the settings, guardrails
+move only in the safe direction, planned changes happen only when something changed and
+pass a paired no-harm test. Pure: no I/O, no clock; the memory comes in as a TunerState.
 
-Every change is an experiment (judge.py has the rule): tried, judged on goodput
-against a baseline, kept or reverted, and remembered. With two or more replicas a live
-change (max_num_seqs, max_num_batched_tokens) runs on one replica first, a canary judged
-against the others in the same window, and reaches all only if it won. A change of KV dtype
-restarts pods, so it runs on every replica and is judged against the window before it.
-
-What to try comes from the seed document's manual rules (§4.1, §5.1, §6; tune_rules.py),
-on the worst replica (an average would hide one thrashing or slow replica of four):
-- memory-bound (preemptions or swaps per 1,000 generated tokens over a bound, a figure
-  that means the same on a CPU and on a GPU serving a hundred times the tokens): fp8 when
-  allowed, else a lower max_num_seqs;
-- ITL P99 over its target: a lower step budget (less prefill between two decode tokens)
-  when TTFT has headroom, and a lower max_num_seqs;
-- TTFT P99 over its target with ITL headroom: a higher step budget;
-- KV cache full with a queue: fp8 when allowed;
-- slot-bound (slots busy, a queue, no thrash, ITL headroom): a higher max_num_seqs, no
-  further than the KV cache holds at today's usage per sequence;
-- fp8 on while the KV cache would fit in 16 bits: back to the spec's dtype;
-- LoRA-bound (MaxLorasBottleneck: requests wait for adapters that find every LoRA slot
-  taken while batch slots are free, over most of the window): a higher max_loras within
-  tuning.maxLoras (a rolling restart); at the bound the tuner holds and says so, and the
-  autoscaler, which counts those requests as queue, scales out.
-The first candidate that no verdict forbids is tried. A rejected one is not tried again
-for a while that doubles with each rejection, so no rule can walk a setting down for good.
+Each turn:
+1. Learn (model_state.py): the window since the last turn updates the step model and the
+   demand; their change detectors start a new model epoch when the workload or the
+   machine changed (a machine change also starts a PlantDegraded freeze).
+2. A change on test (verify.py) gets its look: kept, reverted, or observed further.
+3. Guardrails (guardrails.py), applied at once: a persistent queue with every slot busy
+   raises to the safe cap; KV thrash switches to fp8 when allowed; a latency miss the model
+   blames on the batch lowers. A thrash lower is tested at once instead (swaps can cost
+   less than the slots it gives up). Nothing else lowers capacity.
+4. A planned change (planner.py), only when the model and demand are ready, on a new
+   epoch or after ``replan_seconds``, outside a freeze (plant degraded, queue growing,
+   a rollout under way), after ``dwell_seconds`` since any change, at most
+   ``planned_per_hour``, and never a move that failed its test under the same epoch. With
+   two or more replicas it runs on one replica chosen at random first, against the others.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field, replace
 
 from batchpilot.operator.crd.spec import InferenceServiceSpec
-from batchpilot.operator.loop.judge import Targets, judge, misses_slo, score
+from batchpilot.operator.loop import guardrails as guard
+from batchpilot.operator.loop import verify
+from batchpilot.operator.loop.guardrails import Candidate, TuneLimits
 from batchpilot.operator.loop.observe import Window, merge_windows
+from batchpilot.operator.loop.planner import Bounds, Plan, plan, planned_move
 from batchpilot.operator.loop.state import TunerState
-from batchpilot.operator.loop.tune_rules import (
-    Candidate,
-    Rules,
-    Signals,
-    TuneLimits,
-    inputs_of,
-)
 from batchpilot.operator.loop.tuner_state import EngineSettings, Experiment, Move, TuneDecision
+from batchpilot.operator.loop.twin import budget_candidates, choose_budget
 
 LIVE_KINDS = ("raise", "lower", "raise_budget", "lower_budget")
 
@@ -50,15 +39,18 @@ LIVE_KINDS = ("raise", "lower", "raise_budget", "lower_budget")
 @dataclass(frozen=True)
 class View:
     """What the tuner sees this turn. ``service``: every replica since the last change,
-    running the settings in force; ``replicas``: each replica since the experiment began
-    (or the last change), with the settings it reports."""
+    running the settings in force; ``replicas``: each replica since the test began (or the
+    last change); ``latest`` and ``latest_replicas``: since the model last learned (what a
+    test adds to its tallies)."""
 
     service: Window | None
     replicas: dict[str, Window]
+    latest: Window | None = None
+    latest_replicas: dict[str, Window] = field(default_factory=dict)
 
 
-def targets_of(spec: InferenceServiceSpec) -> Targets:
-    return Targets(spec.ttft_target_seconds, spec.itl_target_seconds)
+def targets_of(spec: InferenceServiceSpec) -> verify.Targets:
+    return verify.Targets(spec.ttft_target_seconds, spec.itl_target_seconds)
 
 
 def runs(w: Window, url: str, settings: EngineSettings) -> bool:
@@ -86,9 +78,69 @@ def decide_tuning(
 ) -> tuple[TuneDecision, TunerState]:
     """This turn's decision and the tuner's state after it."""
     settings = state.settings or in_force
+    state = replace(state, model=state.model.ingest(view.latest, now))
     if state.experiment is not None:
-        return _judge(view, spec, state, settings, now, limits)
-    return _propose(view, spec, state, settings, now, limits)
+        if (c := _emergency(view, spec, state, settings, now, limits)) is not None:
+            e = state.experiment
+            c = replace(c, reason=f"{c.reason} (the test of {e.kind} was abandoned)")
+            return _apply(replace(state, experiment=None), c, now, {})
+        return _verify(view, spec, state, settings, now)
+    window = view.service
+    if window is None or window.replicas == 0:
+        return _hold(state, settings, "no metrics", now)
+    if window.span_seconds < limits.min_window_seconds:
+        return _hold(
+            state, settings, f"observing: {window.span_seconds:.0f} s of metrics so far", now
+        )
+    fit = state.model.fit()
+    p = (
+        _plan(state, spec, settings, window)
+        if fit is not None and state.model.demand.ready
+        else None
+    )
+    inputs = inputs_of(window, view.replicas, settings, state, p)
+    m, replicas = state.model, view.replicas
+    thrash = guard.thrash(window, replicas, settings, spec, limits, p)
+    if thrash is not None and thrash.kind == "lower":
+        # Swaps can cost less than the slots a lower gives up: the thrash lower is tested
+        # at once (no dwell, no hourly budget), and reverted if it harms.
+        if state.blocked(Move(settings, "lower"), m.epoch) is None:
+            return _start(view, state, settings, thrash, spec, now, inputs)
+        thrash = None
+    for c in (
+        thrash,
+        guard.queue(window, replicas, settings, spec, m, p, limits),
+        guard.latency(window, settings, spec, m, fit, p, now, limits),
+        guard.loras(window, settings, spec, limits),
+    ):
+        if c is not None:
+            return _apply(state, c, now, inputs)
+    if (bound := guard.lora_bound(window, settings, spec, limits)) is not None:
+        why = f"{bound}, and max_loras is at tuning.maxLoras.max: scaling out is the autoscaler's"
+        return _hold(state, settings, why, now, inputs)
+    return _planned(view, spec, state, settings, now, limits, p, inputs)
+
+
+def _emergency(view: View, spec, state: TunerState, settings, now, limits) -> Candidate | None:
+    """A queue or thrash guardrail that will not wait for a test to end."""
+    w = view.service
+    if w is None or w.replicas == 0 or w.span_seconds < limits.min_window_seconds:
+        return None
+    fit = state.model.fit()
+    p = _plan(state, spec, settings, w) if fit is not None and state.model.demand.ready else None
+    thrash = guard.thrash(w, view.replicas, settings, spec, limits, p)
+    if thrash is not None and thrash.kind == "fp8":
+        return thrash
+    return guard.queue(w, view.replicas, settings, spec, state.model, p, limits)
+
+
+def _plan(state: TunerState, spec: InferenceServiceSpec, s: EngineSettings, w: Window) -> Plan:
+    b = spec.tuning.max_num_seqs
+    kv_blocks = min(w.kv_num_blocks.values(), default=None)
+    return plan(
+        state.model.fit(), state.model.per_replica(), spec.itl_target_seconds, Bounds(b.min, b.max),
+        s.max_num_seqs, s.max_num_batched_tokens, (kv_blocks, w.kv_block_size),
+    )  # fmt: skip
 
 
 def _hold(state: TunerState, settings: EngineSettings, why: str, now: float, inputs=None):
@@ -96,127 +148,173 @@ def _hold(state: TunerState, settings: EngineSettings, why: str, now: float, inp
     return d, state.decided(d, state.experiment)
 
 
-def _propose(view, spec, state, settings, now, limits):
-    window = view.service
+def _apply(state: TunerState, c: Candidate, now: float, inputs: dict):
+    """A guardrail's move: on every replica at once, no test."""
+    d = TuneDecision("guard", c.settings, f"guardrail: {c.reason}", now, c.kind, inputs=inputs)
+    return d, state.decided(d, None)
+
+
+def _frozen(view: View, spec, state: TunerState, now: float, limits: TuneLimits) -> str | None:
+    m, w = state.model, view.service
     last = state.last_change
-    if last is not None and now - last < spec.tuning.cooldown_seconds:
-        left = spec.tuning.cooldown_seconds - (now - last)
-        return _hold(state, settings, f"cooldown: {left:.0f} s left after the last change", now)
-    if window is None or window.replicas == 0:
-        return _hold(state, settings, "no metrics", now)
-    signals = Signals.of(window, view.replicas, limits)
-    inputs = inputs_of(signals, window, settings)
-    if window.span_seconds < limits.min_window_seconds:
-        why = f"observing: {window.span_seconds:.0f} s of metrics so far"
-        return _hold(state, settings, why, now, inputs)
-    targets = targets_of(spec)
-    baseline = score(window, targets)
-    if baseline.samples < limits.min_latency_samples:
-        why = f"too little traffic to judge a change: {baseline.samples} ITL observations"
-        return _hold(state, settings, why, now, inputs)
-    candidates = Rules(spec, settings, signals, limits, targets).candidates()
-    load = signals.running + signals.waiting
-    for c in candidates:
-        if state.blocked(Move(settings, c.kind), now, load) is None:
-            return _start(view, state, settings, c, baseline, targets, now, inputs)
-    if candidates:
-        v = state.blocked(Move(settings, candidates[0].kind), now, load)
-        why = (
-            f"{candidates[0].reason}, but that was tried and rejected {v.strikes} time(s) in a row"
-        )
-        return _hold(state, settings, why, now, inputs)
-    rules = Rules(spec, settings, signals, limits, targets)
-    if (lora_bound := rules.lora_bound()) is not None:
-        why = f"{lora_bound}, and max_loras is at tuning.maxLoras.max: scaling out is the autoscaler's"
-        return _hold(state, settings, why, now, inputs)
-    return _hold(state, settings, "no rule applies: holding", now, inputs)
+    if m.degraded(now):
+        return f"PlantDegraded ({m.degraded_why}): no tuning until {m.degraded_until - now:.0f} s from now"
+    if m.queue_growing():
+        return "the queue is growing"
+    if w is not None and len(set(w.max_num_seqs.values())) > 1:
+        return "replicas run different settings (a rollout)"
+    dwell = max(limits.dwell_seconds, spec.tuning.cooldown_seconds)
+    if last is not None and now - last < dwell:
+        return f"dwell: {dwell - (now - last):.0f} s left after the last change"
+    if m.planned_in_last_hour(now) >= limits.planned_per_hour:
+        return f"{limits.planned_per_hour} planned changes in the last hour already"
+    return None
 
 
-def _start(view, state, settings, c: Candidate, baseline, targets, now, inputs):
-    answered = sorted(view.replicas)
-    canary = answered[0] if c.kind in LIVE_KINDS and len(answered) >= 2 else None
-    experiment = Experiment(
-        kind=c.kind, before=settings, after=c.settings, started=now, reason=c.reason,
-        baseline=None if canary else baseline, canary=canary,
-        slo_missed=misses_slo(baseline, targets),
-    )  # fmt: skip
-    action = "canary" if canary else "try"
-    in_force = settings if canary else c.settings
-    where = f" on {canary}, against the other replicas" if canary else ""
-    d = TuneDecision(
-        action, in_force, f"trying{where}: {c.reason}", now, c.kind, baseline, None, inputs
+def _planned(view, spec, state: TunerState, settings, now, limits, p: Plan | None, inputs):
+    m = state.model
+    if p is None:
+        why = f"learning: {m.step.steps:.0f} steps and {m.demand.requests:.0f} requests observed"
+        return _hold(state, settings, why, now, inputs)
+    due = (
+        state.planned_epoch != m.epoch
+        or now - (state.planned_at or 0) >= limits.replan_seconds
+        or m.demand.requests >= 2 * state.planned_requests  # the evidence doubled since
     )
-    return d, state.decided(d, experiment)
+    if not due:
+        return _hold(state, settings, f"holding, nothing changed: {p.why}", now, inputs)
+    if (why := _frozen(view, spec, state, now, limits)) is not None:
+        return _hold(state, settings, f"a plan is due, held: {why}; {p.why}", now, inputs)
+    state = replace(
+        state, planned_epoch=m.epoch, planned_at=now, planned_requests=m.demand.requests
+    )
+    c = _candidate(p, state, spec, settings, view, limits)
+    if c is None:
+        return _hold(state, settings, f"planned, no move: {p.why}", now, inputs)
+    if state.blocked(Move(settings, c.kind), m.epoch) is not None:
+        why = f"{c.reason}, but it failed its test under this model"
+        return _hold(state, settings, why, now, inputs)
+    state = replace(state, model=m.with_planned(now))
+    return _start(view, state, settings, c, spec, now, inputs)
 
 
-def _judge(view, spec, state, settings, now, limits):
+def _candidate(p: Plan, state, spec, s: EngineSettings, view: View, limits) -> Candidate | None:
+    if (c := guard.fp8_off(view.service, view.replicas, s, spec, limits)) is not None:
+        return c
+    m = state.model
+    new = planned_move(p, m.fit(), m.per_replica(), spec.itl_target_seconds, s.max_num_seqs)
+    if new is not None and new != s.max_num_seqs:
+        kind = "raise" if new > s.max_num_seqs else "lower"
+        why = f"planned: max_num_seqs {s.max_num_seqs} -> {new}; {p.why}"
+        return Candidate(kind, replace(s, max_num_seqs=new), why)
+    return _budget(state, spec, s)
+
+
+def _budget(state: TunerState, spec, s: EngineSettings) -> Candidate | None:
+    """The step budget the twin predicts best, when the spec lets the tuner move it."""
+    bounds, today = spec.tuning.max_num_batched_tokens, s.max_num_batched_tokens
+    if bounds is None or today is None:
+        return None
+    m = state.model
+    choice = choose_budget(
+        m.fit(), m.per_replica(), s.max_num_seqs, today, budget_candidates(bounds.min, bounds.max, s.max_num_seqs),
+        spec.ttft_target_seconds, spec.itl_target_seconds,
+    )  # fmt: skip
+    if choice.budget is None:
+        return None
+    kind = "raise_budget" if choice.budget > today else "lower_budget"
+    return Candidate(
+        kind, replace(s, max_num_batched_tokens=choice.budget), f"planned: {choice.why}"
+    )
+
+
+def _start(view: View, state: TunerState, settings, c: Candidate, spec, now: float, inputs):
+    answered = sorted(view.replicas)
+    canary = None
+    if c.kind in LIVE_KINDS and len(answered) >= 2:
+        canary = random.Random(f"{now}:{','.join(answered)}").choice(answered)
+    baseline = None if canary else verify.score(view.service, targets_of(spec))
+    e = Experiment(c.kind, settings, c.settings, now, c.reason, baseline, canary, state.model.epoch)
+    action = "canary" if canary else "try"
+    where = f" on {canary}, against the other replicas" if canary else ""
+    d = TuneDecision(action, settings if canary else c.settings, f"testing{where}: {c.reason}",
+                     now, c.kind, baseline, None, inputs)  # fmt: skip
+    return d, state.decided(d, e)
+
+
+def _verify(view: View, spec, state: TunerState, settings, now: float):
     e = state.experiment
     targets = targets_of(spec)
+    if e.kind in ("lower", "fp8_off") and state.model.queue_growing():
+        return _end(state, e, "revert", "the queue grew during the test of a lower", now)
+    latest, ratio = view.latest_replicas, None
     if e.canary is not None:
         trial = view.replicas.get(e.canary)
         control = merge_windows([w for u, w in view.replicas.items() if u != e.canary])
         if trial is None or control is None:
-            return _end(
-                state,
-                e,
-                "abandon",
-                "the canary or every other replica stopped answering",
-                now,
-                limits,
-            )
+            why = "the canary or every other replica stopped answering"
+            return _end(state, e, "abandon", why, now)
         if not runs(trial, e.canary, e.after):
-            return _end(
-                state,
-                e,
-                "abandon",
-                "the canary does not run the change (apply failed)",
-                now,
-                limits,
-            )
-        before, after = score(control, targets), score(trial, targets)
-    else:
-        ran = [w for u, w in view.replicas.items() if runs(w, u, e.after)]
-        window = merge_windows(ran)
-        if window is None:
-            return _waiting(state, e, settings, "no replica runs the change yet", now, limits)
-        before, after = e.baseline, score(window, targets)
-        trial = window
-    if after.samples == 0 and trial.span_seconds >= 2 * limits.min_window_seconds:
-        # The traffic stopped: no verdict can come, and a trial on hold freezes scale-downs.
-        return _end(state, e, "abandon", "no traffic since it began", now, limits)
-    if trial.span_seconds < limits.min_window_seconds or after.samples < limits.min_latency_samples:
-        why = f"{after.samples} ITL observations over {trial.span_seconds:.0f} s so far"
-        return _waiting(state, e, settings, why, now, limits)
-    keep, why = judge(
-        before, after, targets, slo_missed=e.slo_missed or misses_slo(before, targets),
-        toward_default=e.kind == "fp8_off",
-    )  # fmt: skip
-    return _end(state, e, "keep" if keep else "revert", why, now, limits, before, after)
-
-
-def _waiting(state, e: Experiment, settings, why: str, now: float, limits: TuneLimits):
-    if now - e.started > limits.max_experiment_seconds:
-        return _end(
-            state, e, "abandon", f"no verdict after {now - e.started:.0f} s: {why}", now, limits
+            why = "the canary does not run the change (apply failed)"
+            return _end(state, e, "abandon", why, now)
+        ratio = verify.step_ratio(trial, control)
+        new_trial = latest.get(e.canary)
+        new_control = merge_windows([w for u, w in latest.items() if u != e.canary])
+        e = replace(
+            e,
+            trial=e.trial.add(verify.score(new_trial, targets) if new_trial else None),
+            control=e.control.add(verify.score(new_control, targets) if new_control else None),
         )
-    return _hold(state, settings, f"judging {e.kind}: {why}", now)
+        before = e.control.score(now - e.started)
+    else:
+        running = [u for u, w in view.replicas.items() if runs(w, u, e.after)]
+        if not running:
+            if now - e.started > verify.MAX_SECONDS:
+                return _end(state, e, "abandon", "no replica ran the change", now)
+            return _hold(state, settings, f"testing {e.kind}: no replica runs it yet", now)
+        new_trial = merge_windows([latest[u] for u in running if u in latest])
+        e = replace(e, trial=e.trial.add(verify.score(new_trial, targets) if new_trial else None))
+        before = e.baseline
+    after = e.trial.score(now - e.started)
+    state = replace(state, experiment=e)
+    v = verify.test(before, after, now - e.started, ratio)
+    if not v.decided:
+        return _hold(state, settings, f"testing {e.kind}: {v.why}", now)
+    return _end(state, e, "keep" if v.passed else "revert", v.why, now, before, after)
 
 
-def _retry(limits: TuneLimits) -> tuple[float, float]:
-    return limits.retry_seconds, limits.max_retry_seconds
-
-
-def _end(state, e: Experiment, verdict: str, why: str, now, limits, before=None, after=None):
+def _end(state: TunerState, e: Experiment, verdict: str, why: str, now, before=None, after=None):
     """Keep (rolling a canary's change out to every replica), revert or abandon."""
-    load = before.load if before is not None else None
     if verdict == "keep":
         action = "rollout" if e.canary else "keep"
         settings, reason = e.after, f"kept {e.kind}: {why}"
-        state = state.judged(Move(e.before, e.kind), True, now, *_retry(limits), load)
     elif verdict == "revert":
         action, settings, reason = "revert", e.before, f"reverted {e.kind}: {why}"
-        state = state.judged(Move(e.before, e.kind), False, now, *_retry(limits), load)
     else:
         action, settings, reason = "abandon", e.before, f"abandoned {e.kind}: {why}"
+    if verdict != "abandon":
+        state = state.judged(Move(e.before, e.kind), verdict == "keep", now, e.epoch)
     d = TuneDecision(action, settings, reason, now, e.kind, before, after)
     return d, state.decided(d, None)
+
+
+def inputs_of(w: Window, replicas: dict[str, Window], s: EngineSettings, state: TunerState,
+              p: Plan | None) -> dict:  # fmt: skip
+    """What the decision saw, for status and Events."""
+    out = {
+        "replicas": w.replicas,
+        "windowSeconds": round(w.span_seconds, 1),
+        **s.to_status(),
+        "runningPerReplica": round(w.per_replica(w.running), 2),
+        "waitingPerReplica": round(w.per_replica(w.waiting), 2),
+        "kvCacheUsage": round(w.kv_cache_usage, 3),
+        "thrashPer1kTokensWorstReplica": round(min(guard.worst_thrash(replicas), 1e9), 3),
+        "modelEpoch": state.model.epoch,
+    }
+    if p is not None:
+        out["plan"] = p.to_status()
+    if state.model.changes:
+        out["changePoints"] = list(state.model.changes)
+    if w.lora_bottleneck:
+        out["loraBottleneckShare"] = round(w.lora_bottleneck, 3)
+    return out

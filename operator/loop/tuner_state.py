@@ -95,37 +95,33 @@ class Move:
 
 @dataclass(frozen=True)
 class Score:
-    """One window reduced to the objective, per replica: what an experiment compares."""
+    """A window reduced to the SLO as clients see it, per replica: the share of requests
+    whose mean time per output token and time to first token met their targets (requests
+    still waiting past the TTFT target count as misses), and what it rests on."""
 
-    goodput: float  # generation tokens/s of requests within the SLO, estimated
+    requests: float  # finished requests behind the shares, plus waiting ones past TTFT
+    attainment: float  # share of requests within both targets
     throughput: float  # generation tokens/s
+    running: float  # mean batch
     waiting: float  # mean queue
-    itl_p99: float | None
-    ttft_p99: float | None
-    samples: int  # ITL observations behind the figures
     seconds: float
-    running: float = 0.0  # mean batch
+    tpot_p90: float | None = None
+    ttft_p99: float | None = None
 
     @property
     def load(self) -> float:
-        """Requests in the system: what the verdicts compare loads by."""
         return self.running + self.waiting
-
-    @property
-    def attainment(self) -> float:
-        """The share of generated tokens that met the SLO."""
-        return self.goodput / self.throughput if self.throughput > 0 else 0.0
 
     def to_status(self) -> dict:
         out = {
-            "goodputTokensPerSecond": round(self.goodput, 2),
+            "requests": round(self.requests, 1),
+            "sloAttainment": round(self.attainment, 4),
             "tokensPerSecond": round(self.throughput, 2),
-            "waiting": round(self.waiting, 2),
             "running": round(self.running, 2),
-            "itlSamples": self.samples,
+            "waiting": round(self.waiting, 2),
             "windowSeconds": round(self.seconds, 1),
         }
-        for key, value in (("itlP99Seconds", self.itl_p99), ("ttftP99Seconds", self.ttft_p99)):
+        for key, value in (("tpotP90Seconds", self.tpot_p90), ("ttftP99Seconds", self.ttft_p99)):
             if value is not None:
                 out[key] = round(value, 4)
         return out
@@ -136,21 +132,48 @@ class Score:
             return float(d[key]) if d.get(key) is not None else None
 
         return cls(
-            goodput=float(d["goodputTokensPerSecond"]),
+            requests=float(d["requests"]),
+            attainment=float(d["sloAttainment"]),
             throughput=float(d["tokensPerSecond"]),
+            running=float(d["running"]),
             waiting=float(d["waiting"]),
-            itl_p99=maybe("itlP99Seconds"),
-            ttft_p99=maybe("ttftP99Seconds"),
-            samples=int(d["itlSamples"]),
             seconds=float(d["windowSeconds"]),
-            running=float(d.get("running", 0.0)),
+            tpot_p90=maybe("tpotP90Seconds"),
+            ttft_p99=maybe("ttftP99Seconds"),
         )
 
 
 @dataclass(frozen=True)
+class Tally:
+    """Requests counted by a test so far, and how many met the SLO: the test reads each
+    turn's new requests and adds them (the observer keeps one minute; a test runs ten)."""
+
+    requests: float = 0.0
+    within: float = 0.0
+
+    def add(self, s: Score | None) -> Tally:
+        if s is None:
+            return self
+        return Tally(self.requests + s.requests, self.within + s.requests * s.attainment)
+
+    def score(self, seconds: float) -> Score:
+        share = self.within / self.requests if self.requests else 1.0
+        return Score(self.requests, share, 0.0, 0.0, 0.0, seconds)
+
+    def to_status(self) -> dict:
+        return {"requests": round(self.requests, 2), "within": round(self.within, 2)}
+
+    @classmethod
+    def from_status(cls, d: dict | None) -> Tally:
+        return cls(float(d["requests"]), float(d["within"])) if d else cls()
+
+
+@dataclass(frozen=True)
 class Experiment:
-    """A change on trial: ``before`` is what it replaced, ``baseline`` the score before it
-    (None with a canary: the other replicas in the same window are the baseline)."""
+    """A planned change under its no-harm test (verify.py): ``before`` is what it replaced,
+    ``baseline`` the score before it (None with a canary: the other replicas in the same
+    window are the control), ``epoch`` the model's when it was planned (a failed test forbids
+    the move until the model changes)."""
 
     kind: Kind
     before: EngineSettings
@@ -159,7 +182,9 @@ class Experiment:
     reason: str
     baseline: Score | None = None
     canary: str | None = None  # the replica URL trying it; None: every replica
-    slo_missed: bool = False  # was a latency target missed before it (then restoring it counts)
+    epoch: int = 0
+    trial: Tally = field(default_factory=Tally)  # the replicas running the change
+    control: Tally = field(default_factory=Tally)  # the others (with a canary)
 
     def to_status(self) -> dict:
         out: dict = {
@@ -168,7 +193,9 @@ class Experiment:
             "to": self.after.to_status(),
             "started": timestamp(self.started),
             "reason": self.reason,
-            "sloMissed": self.slo_missed,
+            "epoch": self.epoch,
+            "trial": self.trial.to_status(),
+            "control": self.control.to_status(),
         }
         if self.baseline is not None:
             out["baseline"] = self.baseline.to_status()
@@ -186,37 +213,32 @@ class Experiment:
             reason=str(d.get("reason", "")),
             baseline=Score.from_status(d["baseline"]) if d.get("baseline") else None,
             canary=d.get("canary"),
-            slo_missed=bool(d.get("sloMissed", False)),
+            epoch=int(d.get("epoch", 0)),
+            trial=Tally.from_status(d.get("trial")),
+            control=Tally.from_status(d.get("control")),
         )
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """The last judgement of moving to ``settings``: a rejected move is not tried again
-    before ``until``, each rejection in a row doubling the wait (a decay, so the loop
-    re-probes a value later without oscillating), nor afterwards while the load is what it
-    was judged at (the same load gives the same answer: steady load, no re-probes)."""
+    """The last test of moving to ``settings`` (a Move's key): a failed one forbids the move
+    while the model is the one that proposed it (the same ``epoch``); a change point or a
+    refit starts a new epoch, and the model may propose it again."""
 
-    settings: str  # the Move's key
+    settings: str
     kept: bool
     time: float
-    strikes: int = 0  # rejections in a row
-    until: float = 0.0
-    load: float | None = None  # requests in the system per replica when judged
+    epoch: int = 0
 
-    def blocks(self, now: float, load: float | None = None) -> bool:
-        if self.kept:
-            return False
-        return now < self.until or same_load(self.load, load)
+    def blocks(self, epoch: int) -> bool:
+        return not self.kept and epoch == self.epoch
 
     def to_status(self) -> dict:
         return {
             "settings": self.settings,
             "kept": self.kept,
             "time": timestamp(self.time),
-            "strikes": self.strikes,
-            "retryAfter": timestamp(self.until),
-            **({"load": round(self.load, 2)} if self.load is not None else {}),
+            "epoch": self.epoch,
         }
 
     @classmethod
@@ -225,9 +247,7 @@ class Verdict:
             settings=str(d["settings"]),
             kept=bool(d["kept"]),
             time=parse_timestamp(d["time"]),
-            strikes=int(d["strikes"]),
-            until=parse_timestamp(d["retryAfter"]),
-            load=float(d["load"]) if d.get("load") is not None else None,
+            epoch=int(d.get("epoch", 0)),
         )
 
 
@@ -235,7 +255,7 @@ class Verdict:
 class TuneDecision:
     """One turn's decision, and, when it changed something, its history entry."""
 
-    action: Literal["hold", "try", "canary", "keep", "rollout", "revert", "abandon"]
+    action: Literal["hold", "guard", "try", "canary", "keep", "rollout", "revert", "abandon"]
     settings: EngineSettings  # in force on every replica after this decision
     reason: str
     time: float = 0.0
@@ -273,12 +293,3 @@ class TuneDecision:
             before=Score.from_status(d["before"]) if d.get("before") else None,
             after=Score.from_status(d["after"]) if d.get("after") else None,
         )
-
-
-SAME_LOAD = 0.25  # loads within this share of each other count as the same
-
-
-def same_load(judged_at: float | None, now: float | None) -> bool:
-    if judged_at is None or now is None:
-        return False
-    return abs(now - judged_at) <= SAME_LOAD * max(judged_at, now, 1.0)

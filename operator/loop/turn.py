@@ -6,12 +6,14 @@ given and written into the status patch it returns, so the operator stays statel
 restarts (losing the samples costs one window of observation, never a decision).
 
 One arbiter decides tuning and scaling together, in that order:
-- the tuner first (tune.py): it tries, keeps or reverts one engine change at a time;
-- then the autoscaler (autoscale.py), whose decision the tuner's state can hold: no
-  scale-up (short of an emergency queue) while a change that adds capacity is on trial,
-  since the trial may remove the queue the scale-up answers; no scale-down while any change
-  is on trial or for ``ENGINE_CHANGE_FREEZE_SECONDS`` after one, since the window it reads
-  was measured under other settings; and its capacity figure is kept per settings.
+- the tuner first (tune.py, the loop v3): it learns the replica's model, applies guardrail
+  moves at once and tests one planned change at a time;
+- then the autoscaler (autoscale.py), which sizes replicas with the tuner's model (its
+  capacity per replica within the SLO) and the queue law as the fast guard, and whose
+  decision the tuner's state can hold: no scale-up (short of an emergency queue) while a
+  planned raise is under test, since it may remove the queue the scale-up answers; no
+  scale-down while any change is under test or for ``ENGINE_CHANGE_FREEZE_SECONDS`` after
+  one, since the window it reads was measured under other settings.
 - With ``autoscaling.minReplicas: 0``, the idle law (idle.py) takes an idle service to zero
   (never while a trial or the post-change freeze holds scale-downs) and wakes it when the
   activator asks; at zero it alone decides, since the queue law has no replica to read.
@@ -45,22 +47,24 @@ from batchpilot.operator.loop.autoscale import (
     ScaleDownHold,
     decide_replicas,
 )
+from batchpilot.operator.loop.guardrails import TuneLimits
 from batchpilot.operator.loop.idle import decide_idle
 from batchpilot.operator.loop.observe import Observer, RoundResult, Window
+from batchpilot.operator.loop.planner import Bounds, capacity_at, replicas_for
 from batchpilot.operator.loop.scrape import MetricsSource
 from batchpilot.operator.loop.state import AutoscalingStatus, LoopStatus, TunerState
 from batchpilot.operator.loop.timestamps import timestamp
 from batchpilot.operator.loop.tune import View, decide_tuning
-from batchpilot.operator.loop.tune_rules import TuneLimits
 from batchpilot.operator.loop.tuner_state import EngineSettings, TuneDecision
 
 MIN_SCRAPED_SHARE = 0.5  # below this share of Ready replicas answering, the loop is blind
 ENGINE_CHANGE_FREEZE_SECONDS = 300.0  # no scale-down this long after an engine change
 EMERGENCY_QUEUE_FACTOR = 4.0  # a queue this many times the target scales up regardless
 CAPACITY_KINDS = ("raise", "raise_budget", "fp8", "raise_loras")  # may remove a queue
-BOTTLENECK = "MaxLorasBottleneck"  # the LoRA law's decisions start with it (tune.Rules)
+BOTTLENECK = "MaxLorasBottleneck"  # the LoRA guardrail's reasons start with it
 
 EVENT_FOR_ACTION = {
+    "guard": "TuningGuardrail",
     "try": "TuningTrial",
     "canary": "TuningTrial",
     "keep": "TuningKept",
@@ -80,6 +84,8 @@ class LoopOutcome:
     scrape_failures: dict[str, str] = field(default_factory=dict)  # URL -> why
     apply_failures: dict[str, str] = field(default_factory=dict)  # URL -> why
     blind: str | None = None  # why the loop decided nothing, when it could not see
+    capacity: float | None = None  # requests/s a replica completes within the SLO (the model's)
+    arrivals: float = 0.0  # the model's sustained arrivals per second to the service
 
     def event(self, reason: str, message: str) -> None:
         """An Event to post; its message may carry what replicas answered, so it is clipped."""
@@ -168,13 +174,27 @@ def arbitrate(
 def tuning_event(decision: TuneDecision, last_reason: str) -> tuple[str, str] | None:
     """The Event of a tuning decision: each change; a LoRA bottleneck as its own reason
     (MaxLorasBottleneck), also when held at the bound, then once until it clears."""
-    bottleneck = decision.reason.removeprefix("trying: ").startswith(BOTTLENECK)
+    bottleneck = decision.reason.removeprefix("guardrail: ").startswith(BOTTLENECK)
     if decision.changes:
-        tried = bottleneck and decision.action == "try"
+        tried = bottleneck and decision.action == "guard"
         return (BOTTLENECK if tried else EVENT_FOR_ACTION[decision.action], decision.reason)
     if bottleneck and not last_reason.startswith(BOTTLENECK):
         return BOTTLENECK, decision.reason
     return None
+
+
+def model_capacity(
+    tuner: TunerState, spec: InferenceServiceSpec, settings: EngineSettings
+) -> float | None:
+    """Requests/s one replica completes within the SLO at ``settings``, from the tuner's
+    model (None before it is ready): the capacity the autoscaler sizes replicas with."""
+    m = tuner.model
+    fit = m.fit()
+    if fit is None or not m.demand.ready:
+        return None
+    b = spec.tuning.max_num_seqs
+    return capacity_at(fit, m.per_replica(), spec.itl_target_seconds, settings.max_num_seqs,
+                       Bounds(b.min, b.max))  # fmt: skip
 
 
 def live_targets(tuner: TunerState, urls: list[str]) -> dict[str, EngineSettings]:
@@ -289,9 +309,18 @@ class ClosedLoop:
             view = View(
                 service=self.observer.window(key, since=since, kv_cache_dtype=dtype),
                 replicas=self.observer.replica_windows(key, since=since, kv_cache_dtype=dtype),
+                latest=self.observer.window(key, since=tuner.model.observed_until),
+                latest_replicas=self.observer.replica_windows(
+                    key, since=tuner.model.observed_until
+                ),
             )
             decision, tuner = decide_tuning(view, spec, tuner, in_force, now, self.limits)
         outcome.tuning = decision
+        outcome.capacity = model_capacity(tuner, spec, tuner.settings or in_force)
+        outcome.arrivals = tuner.model.demand.sustained
+        for change in tuner.model.changes:
+            plant = change.startswith("plant changed")
+            outcome.event("PlantDegraded" if plant else "WorkloadChanged", change)
         if event := tuning_event(decision, last_reason):
             outcome.event(*event)
         return tuner
@@ -322,7 +351,10 @@ class ClosedLoop:
             decision = ScaleDecision(zero, idle.reason, zero, last.history)
         else:
             settings = tuner.settings.key if tuner.settings else ""
-            decision = decide_replicas(window, a, replicas, now, last.history, settings)
+            by_model = None
+            if outcome.capacity and window is not None:
+                by_model = replicas_for(outcome.arrivals, outcome.capacity)
+            decision = decide_replicas(window, a, replicas, now, last.history, settings, by_model)
             if idle.replicas == 0:
                 decision = replace(decision, replicas=0, reason=idle.reason)
             if decision.recommendation < replicas and outcome.scrape_failures:

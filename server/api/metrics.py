@@ -1,14 +1,15 @@
 """/metrics: vLLM's metric names (batchpilot/names.py), label model_name.
 
 Gauges and counters are read from the engine's EngineStats at scrape time by a custom collector,
-so they are never staler than the last engine step. Histograms are observed on the event
-loop from each step's outputs (one call per step, see engine/core.py's Turn).
+so they are never staler than the last engine step. Histograms, and the step-cost counters
+(labelled by batch bucket and phase), are observed on the event loop from each step's
+outputs and stats (one call per step, see engine/core.py's Turn).
 """
 
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -26,7 +27,19 @@ REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
                  40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)  # fmt: skip
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# Shared with the simulator (benchmarks/loopsim/metrics.py), so they live in names.py.
+BATCH_BUCKETS = names.BATCH_BUCKETS
+TPOT_BUCKETS = names.TPOT_BUCKETS
+REQUEST_TOKEN_BUCKETS = names.REQUEST_TOKEN_BUCKETS
+# The step-cost counters (names.STEP_COUNTERS, in that order) and their help.
+STEP_COUNTER_HELP = (
+    (names.ENGINE_STEPS, "Engine steps that ran a batch."),
+    (names.ENGINE_STEP_SECONDS, "Wall seconds of those steps (schedule, forward, sample)."),
+    (names.ENGINE_STEP_SEQUENCES, "Sequences in those steps (the sum of batch sizes)."),
+    (names.ENGINE_STEP_DECODE_SEQUENCES, "Of those, sequences that decoded (not prefilling)."),
+    (names.ENGINE_STEP_PREFILL_TOKENS, "Prompt (prefill) tokens computed in those steps."),
+    (names.ENGINE_STEP_CONTEXT_TOKENS, "Decoding sequences' tokens already in the KV cache."),
+)
 
 
 def _counter_base(name: str) -> str:
@@ -58,6 +71,7 @@ class EngineStatsCollector:
         (names.GENERATION_TOKENS, "generation_tokens_total", "Tokens generated."),
         (names.SWAPS_OUT, "num_swaps_out", "Sequences swapped out to CPU memory."),
         (names.SWAPS_IN, "num_swaps_in", "Sequences swapped back in from CPU memory."),
+        (names.REQUEST_ARRIVALS, "num_arrivals", "Requests accepted into the engine."),
     )
 
     def __init__(self, stats: Callable[[], EngineStats | None], model_name: str):
@@ -83,6 +97,16 @@ class EngineStatsCollector:
             if stats is not None:
                 family.add_metric([self._model_name], float(getattr(stats, attr)))
             yield family
+        oldest = GaugeMetricFamily(
+            names.OLDEST_WAITING_SECONDS,
+            "Age of the oldest request waiting to be scheduled; 0 when none waits.",
+            labels=label,
+        )
+        if stats is not None:
+            arrival = stats.oldest_waiting_arrival
+            age = 0.0 if arrival is None else max(0.0, time.monotonic() - arrival)
+            oldest.add_metric([self._model_name], age)
+        yield oldest
         info = GaugeMetricFamily(
             names.KV_CACHE_INFO,
             "KV-cache layout in force; the value is always 1.",
@@ -142,6 +166,22 @@ class ServerMetrics:
                                           TOKEN_BUCKETS)  # fmt: skip
         self.batch_size = histogram(names.BATCH_SIZE, "Sequences per engine step.",
                                     BATCH_BUCKETS)  # fmt: skip
+        self.tpot = histogram(names.REQUEST_TIME_PER_OUTPUT_TOKEN, "A finished request's mean "
+                              "time per output token after its first.", TPOT_BUCKETS)  # fmt: skip
+        self.prompt_tokens = histogram(names.REQUEST_PROMPT_TOKENS, "A finished request's "
+                                       "prompt tokens.", REQUEST_TOKEN_BUCKETS)  # fmt: skip
+        self.generation_tokens = histogram(names.REQUEST_GENERATION_TOKENS, "A finished "
+                                           "request's output tokens.",
+                                           REQUEST_TOKEN_BUCKETS)  # fmt: skip
+        step_labels = [names.METRIC_LABEL, names.STEP_BATCH_LABEL, names.STEP_PHASE_LABEL]
+        self._step_counters = [
+            Counter(_counter_base(name), doc, step_labels, registry=self.registry)
+            for name, doc in STEP_COUNTER_HELP
+        ]
+        # (batch, phase) -> the step counters' children of that label set, made on first use
+        # so that only label sets seen have series.
+        self._step_cells: dict[tuple[str, str], list] = {}
+        self._num_steps = 0  # EngineStats.num_steps of the latest step counted
         # request id -> time of its latest token, for inter-token latency.
         self._last_token_time: dict[str, float] = {}
 
@@ -150,10 +190,30 @@ class ServerMetrics:
         if step.stepped:
             self.iteration_tokens.observe(step.stats.last_step_num_tokens)
             self.batch_size.observe(step.stats.last_step_batch_size)
+            self._observe_step_cost(step)
         for out in step.outputs:
             self._observe_output(out, step.time)
         for rid in step.aborted:
             self._last_token_time.pop(rid, None)
+
+    def _observe_step_cost(self, step) -> None:
+        """The step-cost counters, once per step the scheduler made (a step that failed
+        before scheduling left num_steps, and the last_step_* figures, as they were)."""
+        stats = step.stats
+        if stats.num_steps == self._num_steps or stats.last_step_batch_size <= 0:
+            self._num_steps = stats.num_steps
+            return
+        self._num_steps = stats.num_steps
+        key = (names.step_batch_label(stats.last_step_batch_size),
+               names.step_phase_label(stats.last_step_prefill_tokens))  # fmt: skip
+        cell = self._step_cells.get(key)
+        if cell is None:
+            cell = [c.labels(self._model_name, *key) for c in self._step_counters]
+            self._step_cells[key] = cell
+        values = (1, step.step_seconds, stats.last_step_batch_size, stats.last_step_decode_seqs,
+                  stats.last_step_prefill_tokens, stats.last_step_context_tokens)  # fmt: skip
+        for counter, value in zip(cell, values, strict=True):
+            counter.inc(value)
 
     def _observe_output(self, out, now: float) -> None:
         timing = out.metrics
@@ -175,6 +235,16 @@ class ServerMetrics:
                 self.e2e.observe(timing.finished_time - timing.arrival_time)
             if timing.first_scheduled_time is not None:
                 self.queue_time.observe(timing.first_scheduled_time - timing.arrival_time)
+            self._observe_finished(out, timing)
+
+    def _observe_finished(self, out, timing) -> None:
+        """vLLM's per-request histograms of a finished request."""
+        num_output = len(out.outputs[0].token_ids)
+        self.prompt_tokens.observe(len(out.prompt_token_ids))
+        self.generation_tokens.observe(num_output)
+        first, finished = timing.first_token_time, timing.finished_time
+        if num_output >= 2 and first is not None and finished is not None:
+            self.tpot.observe((finished - first) / (num_output - 1))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -29,6 +29,7 @@ class Turn:
     admissions: list[BaseException | None] = field(default_factory=list)  # one per add
     aborted: list[str] = field(default_factory=list)
     call_results: list[tuple[Any, BaseException | None]] = field(default_factory=list)
+    step_seconds: float = 0.0  # wall time of engine.step(): schedule, forward, sample, outputs
 
 
 class EngineCore:
@@ -48,9 +49,11 @@ class EngineCore:
             engine.abort_request(rid)
         call_results = [self._call(fn) for fn in calls]
         stepped = engine.has_unfinished_requests()
+        started = time.monotonic()
         outputs = self._step() if stepped else []
-        return Turn(outputs, engine.stats(), stepped, time.monotonic(), admissions, aborts,
-                    call_results)  # fmt: skip
+        ended = time.monotonic()
+        return Turn(outputs, engine.stats(), stepped, ended, admissions, aborts, call_results,
+                    step_seconds=ended - started if stepped else 0.0)  # fmt: skip
 
     def _step(self) -> list:
         """engine.step(); a failed step hands back its batch's error outputs, and only

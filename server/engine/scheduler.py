@@ -45,6 +45,13 @@ class SchedulerCounters:
     generation_tokens_total: int = 0
     last_step_num_tokens: int = 0
     last_step_batch_size: int = 0
+    # Of the last step's batch: the sequences that decoded (one token each, after their
+    # first), the prompt (prefill) tokens computed, and the decoding sequences' tokens
+    # already in the KV cache (the context their attention reads).
+    last_step_decode_seqs: int = 0
+    last_step_prefill_tokens: int = 0
+    last_step_context_tokens: int = 0
+    num_arrivals: int = 0  # requests added
 
 
 class Scheduler:
@@ -60,6 +67,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         self.waiting.append(seq)
+        self.counters.num_arrivals += 1
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -96,13 +104,24 @@ class Scheduler:
         return out
 
     def _record_step(self, out: SchedulerOutput) -> None:
-        self.counters.num_steps += 1
-        self.counters.last_step_num_tokens = out.num_tokens
-        self.counters.last_step_batch_size = len(out.scheduled)
+        counters = self.counters
+        counters.num_steps += 1
+        counters.last_step_batch_size = len(out.scheduled)
         now = time.monotonic()
-        for seq, _ in out.scheduled:
+        tokens = decodes = prefill = context = 0
+        for seq, n in out.scheduled:
+            tokens += n
             if seq.timings.first_scheduled_time is None:
                 seq.timings.first_scheduled_time = now
+            if n == 1 and seq.num_output_tokens and seq.num_uncomputed_tokens == 1:
+                decodes += 1  # its next token, after its first
+                context += seq.num_computed_tokens
+            else:
+                prefill += n  # prompt tokens (a recompute's outputs too)
+        counters.last_step_num_tokens = tokens
+        counters.last_step_decode_seqs = decodes
+        counters.last_step_prefill_tokens = prefill
+        counters.last_step_context_tokens = context
 
     def postprocess(self, scheduled: list[tuple[Sequence, int]],
                     tokens: list[int | None]) -> list[Sequence]:  # fmt: skip

@@ -27,6 +27,8 @@ class EngineStats(SchedulerCounters):
     kv_cache_dtype: str
     block_size: int
     max_concurrency: float  # max_model_len-token sequences the KV cache holds at once
+    # time.monotonic() arrival of the oldest request waiting to be scheduled; None: none waits.
+    oldest_waiting_arrival: float | None = None
     max_lora: int = 0  # 0 with LoRA off
     running_lora_adapters: list[str] = dataclasses.field(default_factory=list)  # sorted
     waiting_lora_adapters: list[str] = dataclasses.field(default_factory=list)  # and swapped
@@ -49,6 +51,9 @@ def engine_stats(scheduler: Scheduler, config: EngineConfig) -> EngineStats:
         kv_cache_dtype=config.kv_cache_dtype,
         block_size=config.block_size,
         max_concurrency=pool.num_blocks / cdiv(config.max_model_len, config.block_size),
+        oldest_waiting_arrival=(
+            scheduler.waiting[0].timings.arrival_time if scheduler.waiting else None
+        ),
         max_lora=config.max_loras if config.enable_lora else 0,
         running_lora_adapters=_adapters(scheduler.running),
         waiting_lora_adapters=_adapters([*scheduler.waiting, *scheduler.swapped]),

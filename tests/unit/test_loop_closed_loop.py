@@ -1,6 +1,6 @@
 """turn.ClosedLoop.run_once: the status contract with the kopf side, statelessness across
-operator restarts, a canary trial and its rollout, repair of stray replicas, refused
-applies, and a blind loop deciding nothing."""
+operator restarts, a planned change on a canary and its rollout, a queue guardrail applied
+at once, repair of stray replicas, refused applies, and a blind loop deciding nothing."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import asyncio
 from batchpilot import names
 from batchpilot.operator.crd.spec import parse_spec
 from batchpilot.operator.loop.state import LoopState
-from batchpilot.operator.loop.tune_rules import TuneLimits
 from batchpilot.operator.loop.tuner_state import EngineSettings
 from batchpilot.operator.loop.turn import ClosedLoop
 from tests.support.loop import Replicas
@@ -18,14 +17,10 @@ SPEC = parse_spec(
     {
         "engine": {"maxNumSeqs": 4},
         "autoscaling": {"enabled": True, "maxReplicas": 4},
-        "tuning": {"enabled": True, "maxNumSeqs": {"min": 2, "max": 64}, "cooldownSeconds": 120},
+        "tuning": {"enabled": True, "maxNumSeqs": {"min": 2, "max": 64}},
         "slo": {"timeToFirstTokenSeconds": 600, "interTokenLatencySeconds": 1.0},
     }
 )  # fmt: skip
-
-
-# Short trials: a canary is judged on 30 s and 100 ITL observations.
-LIMITS = TuneLimits(min_window_seconds=30, min_latency_samples=100)
 
 
 def run(loop: ClosedLoop, replicas: Replicas, status: dict, now: float, settings=None):
@@ -38,12 +33,15 @@ def run(loop: ClosedLoop, replicas: Replicas, status: dict, now: float, settings
     return outcome
 
 
-def until(loop, replicas, status, clock, action: str, start=0.0, end=900.0, in_system=12):
-    """Turns every 15 s, under a steady queue, until a tuning decision with ``action``."""
+def until(loop, replicas, status, clock, action: str, start=0.0, end=900.0, in_system=3):
+    """Turns every 15 s, with clients that keep ``in_system`` requests on each replica
+    (topped up every second), until a tuning decision with ``action``."""
     t = start
     while t <= end:
+        for k in range(15):
+            replicas.top_up(in_system, t - 15 + k)
+            replicas.advance(t - 14 + k)
         clock[0] = t
-        replicas.top_up(in_system, t)
         outcome = run(loop, replicas, status, t)
         if outcome.tuning.action == action:
             return outcome
@@ -51,53 +49,71 @@ def until(loop, replicas, status, clock, action: str, start=0.0, end=900.0, in_s
     raise AssertionError(f"no {action} by {end} s: {status.get('tuning')}")
 
 
-def test_a_raise_runs_on_a_canary_first_and_reaches_every_replica_once_kept():
-    replicas = Replicas(2)  # 8 waiting per replica (until's clients): short of an emergency
+def test_a_planned_raise_runs_on_a_canary_first_and_reaches_every_replica_once_kept():
+    # Three short requests per replica against four slots: no queue, but the model, once
+    # it has seen the steps, plans a larger max_num_seqs (within twice the batch it saw).
+    replicas = Replicas(2, output=16)
     clock = [0.0]
-    loop = ClosedLoop(replicas, replicas, clock=lambda: clock[0], limits=LIMITS)
+    loop = ClosedLoop(replicas, replicas, clock=lambda: clock[0])
     status: dict = {}
     tried = until(loop, replicas, status, clock, "canary")
+    canary = status["tuning"]["experiment"]["canary"]
+    raised = status["tuning"]["experiment"]["to"]["maxNumSeqs"]
+    assert raised > 4 and tried.tuning.kind == "raise"
     # Only the canary runs the raise; every replica keeps the settings in force.
-    assert replicas.patches == [("http://r0", 8)]
+    assert replicas.patches == [(canary, raised)]
     assert ("TuningTrial", tried.tuning.reason) in tried.events
     tuning = status["tuning"]
-    assert (
-        tuning[names.MAX_NUM_SEQS.crd_field] == 4
-        and LoopState.from_status(status).max_num_seqs == 4
-    )
-    assert (
-        tuning["experiment"]["canary"] == "http://r0"
-        and tuning["experiment"]["to"]["maxNumSeqs"] == 8
-    )
-    assert tuning["inputs"]["runningPerReplica"] == 4
+    assert tuning[names.MAX_NUM_SEQS.crd_field] == 4
+    assert LoopState.from_status(status).max_num_seqs == 4
+    assert tuning["inputs"]["plan"]["maxNumSeqs"] == raised and "modelEpoch" in tuning["inputs"]
+    assert tuning["model"]["fit"]["largestBatchObserved"] > 0
     assert status["autoscaling"]["desiredReplicas"] == 2
     kept = until(loop, replicas, status, clock, "rollout", start=clock[0] + 15)
-    assert ("http://r1", 8) in replicas.patches
+    other = "http://r1" if canary == "http://r0" else "http://r0"
+    assert (other, raised) in replicas.patches
     assert ("TuningKept", kept.tuning.reason) in kept.events
-    after, before = kept.tuning.after, kept.tuning.before
-    assert after.goodput > before.goodput  # eight slots against four under a queue
-    assert LoopState.from_status(status).max_num_seqs == 8
+    assert kept.tuning.after.requests >= 10 and kept.tuning.after.attainment == 1.0
+    assert LoopState.from_status(status).max_num_seqs == raised
     assert status["tuning"]["experiment"] is None
     assert status["tuning"]["verdicts"][-1]["kept"] is True
 
 
 def test_a_restarted_operator_goes_on_judging_the_trial_it_finds_in_status():
-    replicas = Replicas(2)
+    replicas = Replicas(2, output=16)
     clock = [0.0]
-    loop = ClosedLoop(replicas, replicas, clock=lambda: clock[0], limits=LIMITS)
+    loop = ClosedLoop(replicas, replicas, clock=lambda: clock[0])
     status: dict = {}
     until(loop, replicas, status, clock, "canary")
     started = clock[0]
-    # A new operator process: fresh loop, no samples, only the status.
-    restarted = ClosedLoop(replicas, replicas, clock=lambda: clock[0], limits=LIMITS)
+    # A new operator process: fresh loop, no samples, only the status (the model included).
+    restarted = ClosedLoop(replicas, replicas, clock=lambda: clock[0])
     kept = until(restarted, replicas, status, clock, "rollout", start=started + 15)
     assert kept.tuning.kind == "raise"
     assert [h["action"] for h in status["tuning"]["history"]] == ["canary", "rollout"]
-    # Then the cooldown holds, also across a restart.
-    again = ClosedLoop(replicas, replicas, clock=lambda: clock[0], limits=LIMITS)
-    clock[0] += 15
-    outcome = run(again, replicas, status, clock[0])
-    assert outcome.tuning.action == "hold" and "cooldown" in outcome.tuning.reason
+    # Then nothing is planned again under the same model, also across a restart.
+    again = ClosedLoop(replicas, replicas, clock=lambda: clock[0])
+    for _ in range(3):
+        clock[0] += 15
+        outcome = run(again, replicas, status, clock[0])
+    assert outcome.tuning.action == "hold", outcome.tuning.reason
+
+
+def test_a_queue_is_raised_at_once_on_every_replica_with_an_event():
+    replicas = Replicas(2)  # 12 in the system per replica against 4 slots
+    clock = [0.0]
+    loop = ClosedLoop(replicas, replicas, clock=lambda: clock[0])
+    status: dict = {}
+    guard = until(loop, replicas, status, clock, "guard", in_system=12)
+    assert guard.tuning.kind == "raise" and guard.tuning.reason.startswith("guardrail: queue:")
+    raised = guard.tuning.settings.max_num_seqs
+    assert raised > 4
+    # On every replica in the same turn, with no trial of its own.
+    assert sorted(replicas.patches[-2:]) == [("http://r0", raised), ("http://r1", raised)]
+    assert all(e.max_num_seqs == raised for e in replicas.engines.values())
+    assert ("TuningGuardrail", guard.tuning.reason) in guard.events
+    assert status["tuning"]["experiment"] is None
+    assert LoopState.from_status(status).max_num_seqs == raised
 
 
 def test_a_stray_replica_is_repaired_and_an_unreachable_one_is_skipped_and_counted():
@@ -131,7 +147,7 @@ def test_a_blind_loop_decides_nothing_and_says_so_until_it_sees_again():
     replicas = Replicas(4)
     replicas.load(40, 0.0)
     replicas.down.update({"http://r1", "http://r2", "http://r3"})
-    loop = ClosedLoop(replicas, replicas, clock=lambda: 0.0, limits=LIMITS)
+    loop = ClosedLoop(replicas, replicas, clock=lambda: 0.0)
     status: dict = {}
     blind = run(loop, replicas, status, 0.0)
     assert blind.blind and "1 of 4 Ready replicas answered" in blind.blind

@@ -39,6 +39,8 @@ STATS = {
     "block_size": 16,
     "num_kv_blocks": 100,
     "max_num_batched_tokens": 512,
+    "num_arrivals": 0,
+    "oldest_waiting_arrival": None,  # none waits
     # LoRA off (max_lora 0): no vllm:lora_requests_info family.
     "max_lora": 0,
     "running_lora_adapters": (),
@@ -169,6 +171,10 @@ def test_failures_are_skipped_and_counted():
 def test_the_simulator_quantizes_latency_like_the_server():
     assert sim.ITL_BUCKETS == server_metrics.ITL_BUCKETS
     assert sim.TTFT_BUCKETS == server_metrics.TTFT_BUCKETS
+    assert sim.TPOT_BUCKETS == server_metrics.TPOT_BUCKETS == names.TPOT_BUCKETS
+    assert sim.REQUEST_TOKEN_BUCKETS == server_metrics.REQUEST_TOKEN_BUCKETS
+    # The simulator's step cells label batches as the server does.
+    assert server_metrics.BATCH_BUCKETS == names.BATCH_BUCKETS
 
 
 def test_url_source_scrapes_real_endpoints_concurrently_and_reports_failures(unused_port):

@@ -90,12 +90,13 @@ def test_an_fp8_switch_and_the_switch_back_both_roll_every_replica():
 
 def test_no_scale_down_rests_on_a_failed_scrape():
     """Issue 20's three faults on two replicas under twice one replica's load, with
-    autoscaling and tuning: the run records each ScaledDown posted in a turn where a
-    Ready replica's scrape had failed."""
+    autoscaling and tuning from a max_num_seqs whose queue makes the tuner send live changes:
+    the run records each ScaledDown posted in a turn where a Ready replica's scrape had
+    failed."""
     spec = parse_spec(
-        {"engine": {"maxNumSeqs": 16},
+        {"engine": {"maxNumSeqs": 4},
          "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4},
-         "tuning": {"enabled": True, "maxNumSeqs": {"min": 4, "max": 32}}}
+         "tuning": {"enabled": True, "maxNumSeqs": {"min": 2, "max": 32}}}
     )  # fmt: skip
     faulty = ServiceSim(spec, ReplicaConfig(), replicas=2, faults=ALL).run(
         steady(1.0), duration=1800, seed=4

@@ -525,11 +525,12 @@ def decide(w, settings=AT2, spec=LORA_TUNE):
     return decide_tuning(view, spec, TunerState(settings=settings), settings, 1000.0)
 
 
-def test_max_loras_bottleneck_raises_max_loras_and_rolls():
+def test_max_loras_bottleneck_raises_max_loras_at_once_and_rolls():
+    """A raise of max_loras is a guardrail move (the safe direction): applied, no test."""
     d, state = decide(lora_window(0.8))
-    assert state.experiment.kind == "raise_loras"
-    assert state.experiment.after == replace(AT2, max_loras=4)
-    assert d.reason.startswith("trying: MaxLorasBottleneck") and d.action == "try"
+    assert d.action == "guard" and d.kind == "raise_loras" and state.experiment is None
+    assert state.settings == replace(AT2, max_loras=4)
+    assert d.reason.startswith("guardrail: MaxLorasBottleneck")
     assert tuning_event(d, "")[0] == "MaxLorasBottleneck"
     assert LoopState(max_loras=4).max_loras == 4
 

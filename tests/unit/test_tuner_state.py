@@ -1,6 +1,7 @@
 """The tuner's memory in status.tuning (state.py, tuner_state.py): a round trip through the
-status is lossless, hand-edited garbage is dropped without a crash, the history is bounded,
-and a rejected setting backs off, doubling per rejection in a row."""
+status is lossless (the model's state included), hand-edited garbage is dropped without a
+crash, the history is bounded, and a failed test blocks its move only under the model epoch
+it was made in."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+from batchpilot.operator.loop.model_state import ModelState
 from batchpilot.operator.loop.state import (
     HISTORY_LENGTH,
     VERDICTS_KEPT,
@@ -19,22 +21,25 @@ from batchpilot.operator.loop.timestamps import timestamp
 from batchpilot.operator.loop.tuner_state import (
     EngineSettings,
     Experiment,
+    Move,
     Score,
     TuneDecision,
     Verdict,
 )
+from tests.support.loop import ready_model
 
 S8 = EngineSettings(8, "auto")
 S16 = EngineSettings(16, "auto", 1024)
 FP8 = EngineSettings(8, "fp8", 2048)
 SCORE = Score(
-    goodput=90.5,
+    requests=120.0,
+    attainment=0.9375,
     throughput=100.25,
+    running=6.5,
     waiting=1.5,
-    itl_p99=0.0625,
-    ttft_p99=None,
-    samples=1200,
     seconds=60.5,
+    tpot_p90=0.0625,
+    ttft_p99=None,
 )
 
 
@@ -47,7 +52,7 @@ def full_state() -> TunerState:
         reason="slot-bound",
         baseline=SCORE,
         canary="http://r0",
-        slo_missed=True,
+        epoch=2,
     )
     history = (
         TuneDecision("try", FP8, "memory-bound", 1000.0, "fp8", SCORE, None),
@@ -58,12 +63,13 @@ def full_state() -> TunerState:
             1200.5,
             "fp8",
             SCORE,
-            replace(SCORE, goodput=40.0, itl_p99=0.25, ttft_p99=3.5),
+            replace(SCORE, attainment=0.5, tpot_p90=0.25, ttft_p99=3.5),
         ),
         TuneDecision("canary", S8, "slot-bound", 1500.25, "raise", None, None),
     )
-    verdicts = (Verdict(FP8.key, False, 1200.5, 2, 3000.5), Verdict(S16.key, True, 900.0, 0, 900.0))
-    return TunerState(settings=S8, experiment=experiment, verdicts=verdicts, history=history)
+    verdicts = (Verdict(FP8.key, False, 1200.5, 2), Verdict(S16.key, True, 900.0, 0))
+    return TunerState(settings=S8, experiment=experiment, verdicts=verdicts, history=history,
+                      planned_epoch=2, planned_at=1500.25)  # fmt: skip
 
 
 def through_json(d: dict) -> dict:
@@ -78,6 +84,17 @@ def test_a_round_trip_through_the_status_is_lossless():
     assert status["inputs"] == {"replicas": 2}
     assert status["experiment"]["canary"] == "http://r0"
     assert TunerState.from_status({"tuning": status}) == st
+    assert status["plan"] == {"epoch": 2, "time": 1500.25, "requests": 0.0}
+    # With a fitted model: its statistics, demand and memory come back (the floats rounded
+    # for the status, so the fit compares within that rounding).
+    model = replace(ready_model(), epoch=4, planned=(1400.0,), queue=(0.5, 1.5))
+    status = through_json(replace(st, model=model).to_status(latest, 1600.0))
+    assert status["model"]["fit"]["identified"] is True
+    back = TunerState.from_status({"tuning": status})
+    assert replace(back, model=ModelState()) == st
+    assert (back.model.epoch, back.model.planned, back.model.queue) == (4, (1400.0,), (0.5, 1.5))
+    assert back.model.fit().beta == pytest.approx(model.fit().beta, rel=1e-6)
+    assert back.model.demand.to_status() == model.demand.to_status()
     # And the empty state: no experiment is written as None (a merge patch removes it).
     bare = TunerState(settings=FP8)
     status = through_json(bare.to_status(latest, 1600.0))
@@ -108,19 +125,20 @@ def test_hand_edited_garbage_is_dropped_never_raised():
             good["history"][2],
         ],
         "verdicts": [
-            {"settings": "x", "kept": False},  # no times
-            {**good["verdicts"][0], "retryAfter": "soon"},
-            {**good["verdicts"][0], "strikes": None},
+            {"settings": "x", "kept": False},  # no time
+            {**good["verdicts"][0], "time": "soon"},
+            {**good["verdicts"][0], "epoch": "first"},
             7,
             good["verdicts"][1],
         ],
         "experiment": {**good["experiment"], "from": {"maxNumSeqs": "eight"}},
+        "model": {"step": {"xtx": [1.0]}, "demand": {}},  # a model of another shape
     }
     st = TunerState.from_status({"tuning": tuning})
     assert st.settings == S8
     assert st.history == (full_state().history[2],)
     assert st.verdicts == (full_state().verdicts[1],)
-    assert st.experiment is None
+    assert st.experiment is None and st.model == ModelState()
     # Whole keys of the wrong type, and settings nobody can read.
     st = TunerState.from_status(
         {
@@ -130,6 +148,8 @@ def test_hand_edited_garbage_is_dropped_never_raised():
                 "history": {"a": 1},
                 "verdicts": "none",
                 "experiment": "running",
+                "model": "fitted",
+                "plan": [],
             }
         }
     )
@@ -154,31 +174,29 @@ def test_the_history_keeps_the_latest_changes_only_and_not_holds():
     assert len(status["history"]) == HISTORY_LENGTH
 
 
-def test_rejections_back_off_doubling_up_to_a_cap_and_a_keep_clears_them():
+def test_a_failed_test_blocks_its_move_under_the_same_epoch_only():
     st = TunerState(settings=S8)
-    base, cap = 900.0, 3000.0
-    st = st.judged(S16, False, 100.0, base, cap)
-    assert st.blocked(S16, 100.0 + base - 1) is not None and st.blocked(S16, 100.0 + base) is None
-    st = st.judged(S16, False, 2000.0, base, cap)
+    raise8 = Move(S8, "raise")
+    st = st.judged(raise8, False, 100.0, epoch=3)
+    assert st.blocked(raise8, 3) is not None
+    assert st.blocked(raise8, 4) is None  # the model changed: it may propose it again
+    assert st.blocked(Move(S8, "lower"), 3) is None  # another kind of move is free
+    assert st.blocked(Move(S16, "raise"), 3) is None  # and the same kind from elsewhere
+    # Keyed by where the move starts: a raise from 8 to anything is the same move.
+    assert raise8.key == Move(S8, "raise").key != Move(S16, "raise").key
+    # The latest verdict on a move replaces the earlier one; a keep blocks nothing.
+    st = st.judged(raise8, True, 200.0, epoch=3)
     (v,) = st.verdicts
-    assert (v.strikes, v.until) == (2, 2000.0 + 2 * base)
-    st = st.judged(S16, False, 5000.0, base, cap)
-    assert st.verdicts[0].until == 5000.0 + cap  # 4 x 900 capped at 3000
-    assert st.blocked(S8, 5001.0) is None  # other settings are free
-    st = st.judged(S16, True, 9000.0, base, cap)
-    (v,) = st.verdicts
-    assert v.kept and v.strikes == 0 and st.blocked(S16, 9000.0) is None
-    st = st.judged(S16, False, 9100.0, base, cap)
-    assert st.verdicts[0].strikes == 1 and st.verdicts[0].until == 9100.0 + base
+    assert v.kept and v.time == 200.0 and st.blocked(raise8, 3) is None
 
 
 def test_verdicts_are_bounded_and_the_oldest_forgotten():
     st = TunerState(settings=S8)
     for i in range(VERDICTS_KEPT + 3):
-        st = st.judged(EngineSettings(i + 1), False, float(i), 900.0, 3600.0)
+        st = st.judged(Move(EngineSettings(i + 1), "raise"), False, float(i), 0)
     assert len(st.verdicts) == VERDICTS_KEPT
-    assert st.blocked(EngineSettings(1), 10.0) is None  # forgotten
-    assert st.blocked(EngineSettings(VERDICTS_KEPT + 3), 40.0) is not None
+    assert st.blocked(Move(EngineSettings(1), "raise"), 0) is None  # forgotten
+    assert st.blocked(Move(EngineSettings(VERDICTS_KEPT + 3), "raise"), 0) is not None
 
 
 def test_settings_keys_and_live_changes():
@@ -193,6 +211,5 @@ def test_settings_keys_and_live_changes():
 
 def test_timestamps_are_rfc3339_in_utc():
     assert timestamp(0.0) == "1970-01-01T00:00:00.000Z"
-    assert Verdict.from_status(Verdict("k", False, 1.5, 1, 2.25).to_status()).until == (
-        pytest.approx(2.25)
-    )
+    v = Verdict.from_status(Verdict("k", False, 2.25, 1).to_status())
+    assert v.time == pytest.approx(2.25) and v.epoch == 1

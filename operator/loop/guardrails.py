@@ -1,0 +1,208 @@
+"""Guardrails: moves made at once, with no trial, and only in the safe direction.
+
+- Queue: requests waited in this turn and the one before with every slot busy, and no
+  memory thrash: raise max_num_seqs at once to the safe cap, the model's plan (its latency
+  and KV caps), or twice today's value before the model can speak; never past what the KV
+  cache held at the window's peak usage per sequence. A raise made on a queue is undone
+  only by the thrash or latency guardrail, never by a goodput window.
+- KV thrash (preemptions or swaps per 1,000 generated tokens over a bound, worst replica):
+  fp8 when allowed, else lower to the count the KV cache held, at most halving.
+- Latency: fewer than ``latency_attainment`` of the window's requests met the TPOT target,
+  and the model attributes it to the batch (its step at the running batch misses the
+  target), on a healthy plant with no growing queue: lower to the latency cap, at most
+  halving.
+- LoRA-bound (MaxLorasBottleneck): a higher max_loras within tuning.maxLoras.
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from batchpilot.operator.crd.spec import InferenceServiceSpec
+from batchpilot.operator.loop.model_state import ModelState
+from batchpilot.operator.loop.observe import Window
+from batchpilot.operator.loop.planner import Plan, tpot_lower, tpot_mean
+from batchpilot.operator.loop.plant import Fit
+from batchpilot.operator.loop.tuner_state import EngineSettings, Kind, is_fp8
+from batchpilot.operator.loop.verify import share_within
+
+FP8 = "fp8"
+
+
+@dataclass(frozen=True)
+class TuneLimits:
+    """The loop's thresholds. Not in the CRD: they describe the engine, not a workload."""
+
+    thrash_per_1k_tokens: float = 1.0  # preemptions or swaps per 1,000 generated tokens
+    slot_busy_fraction: float = 0.85  # running >= this x max_num_seqs is "all slots busy"
+    min_waiting: float = 0.5  # mean waiting per replica that counts as a queue
+    kv_raise_bound: float = 0.85  # a raise stops where KV usage would reach this
+    fp8_off_kv_peak: float = 0.4  # with fp8 on, a peak under this would fit in 16 bits
+    min_window_seconds: float = 30.0  # least observation behind any decision
+    max_lower_fraction: float = 0.5  # one lower keeps at least this share of max_num_seqs
+    latency_attainment: float = 0.9  # TPOT share under which the latency guardrail looks
+    min_latency_requests: int = 20  # finished requests before it may
+    dwell_seconds: float = 600.0  # no planned change sooner after any change
+    planned_per_hour: int = 2
+    replan_seconds: float = 6 * 3600.0  # a drift check without a change point
+    lora_bottleneck_share: float = 0.5  # of the window's scrapes LoRA-bound (LoraInfo)
+    lora_raise_factor: float = 2.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    kind: Kind
+    settings: EngineSettings
+    reason: str
+
+
+def thrash_per_1k(w: Window) -> float:
+    events = max(w.preemptions_per_minute, w.swaps_per_minute) / 60
+    tokens = w.generation_tokens_per_second
+    if tokens <= 0:
+        return math.inf if events > 0 else 0.0
+    return 1000 * events / tokens
+
+
+def worst_thrash(replicas: dict[str, Window]) -> float:
+    return max((thrash_per_1k(w) for w in replicas.values()), default=0.0)
+
+
+def _floor(mns: int, spec: InferenceServiceSpec, limits: TuneLimits) -> int:
+    return max(spec.tuning.max_num_seqs.min, math.ceil(limits.max_lower_fraction * mns))
+
+
+def thrash(
+    w: Window, replicas: dict[str, Window], s: EngineSettings, spec: InferenceServiceSpec,
+    limits: TuneLimits, plan: Plan | None = None,
+) -> Candidate | None:  # fmt: skip
+    worst = worst_thrash(replicas)
+    running = w.per_replica(w.running)
+    if worst <= limits.thrash_per_1k_tokens or running > s.max_num_seqs:
+        return None  # over max_num_seqs: a lower's old, larger batch is still finishing
+    why = f"KV thrash: {worst:.2f} preemptions or swaps per 1,000 tokens (bound {limits.thrash_per_1k_tokens:g})"
+    if spec.tuning.allow_fp8_kv_cache and not is_fp8(s.kv_cache_dtype):
+        return Candidate("fp8", replace(s, kv_cache_dtype=FP8), f"{why}: KV cache -> fp8")
+    # The KV-safe count: the model's KV cap (the 95th-percentile sequence), else what the
+    # cache held at the window's peak. A cap at or over today's: the thrash came from the
+    # tail of the lengths, and a lower would cost more than the swaps.
+    held = math.floor(running * limits.kv_raise_bound / max(w.kv_cache_usage_peak, 1e-9))
+    safe = plan.kv_cap if plan is not None and plan.kv_cap is not None else held
+    if safe >= s.max_num_seqs:
+        return None
+    new = max(_floor(s.max_num_seqs, spec, limits), min(s.max_num_seqs - 1, safe))
+    if new >= s.max_num_seqs:
+        return None
+    return Candidate(
+        "lower", replace(s, max_num_seqs=new), f"{why}: max_num_seqs {s.max_num_seqs} -> {new}"
+    )
+
+
+def safe_cap(w: Window, s: EngineSettings, spec: InferenceServiceSpec, plan: Plan | None,
+             limits: TuneLimits) -> int:  # fmt: skip
+    """The highest max_num_seqs the loop may raise to at once."""
+    running = w.per_replica(w.running)
+    cap = plan.max_num_seqs if plan is not None else 2 * max(s.max_num_seqs, math.ceil(running))
+    if w.kv_cache_usage_peak > 0 and running > 0:
+        held = running * limits.kv_raise_bound / w.kv_cache_usage_peak
+        if math.isfinite(held):
+            cap = min(cap, math.floor(held))
+    cap = min(cap, spec.tuning.max_num_seqs.max)
+    if s.max_num_batched_tokens is not None:
+        cap = min(cap, s.max_num_batched_tokens)  # one token each per step
+    return cap
+
+
+def queue(
+    w: Window, replicas: dict[str, Window], s: EngineSettings, spec: InferenceServiceSpec,
+    model: ModelState, plan: Plan | None, limits: TuneLimits,
+) -> Candidate | None:  # fmt: skip
+    running, waiting = w.per_replica(w.running), w.per_replica(w.waiting)
+    # Two turns in a row; or one, when the queue is already as deep as the batch.
+    persistent = len(model.queue) >= 2 and min(model.queue[-2:]) >= limits.min_waiting
+    deep = bool(model.queue) and model.queue[-1] >= 0.5 * s.max_num_seqs
+    if not (persistent or deep) or waiting < limits.min_waiting:
+        return None
+    if running < limits.slot_busy_fraction * s.max_num_seqs or worst_thrash(replicas) > 0:
+        return None
+    new = safe_cap(w, s, spec, plan, limits)
+    if new <= s.max_num_seqs:
+        return None
+    source = "the model's plan" if plan is not None else "twice today's batch (model not ready)"
+    why = (
+        f"queue: {waiting:.1f} waiting per replica with {running:.1f} of "
+        f"{s.max_num_seqs} slots busy: max_num_seqs {s.max_num_seqs} -> {new} ({source})"
+    )
+    return Candidate("raise", replace(s, max_num_seqs=new), why)
+
+
+def latency(
+    w: Window, s: EngineSettings, spec: InferenceServiceSpec, model: ModelState,
+    fit: Fit | None, plan: Plan | None, now: float, limits: TuneLimits,
+) -> Candidate | None:  # fmt: skip
+    finished = w.tpot_buckets[-1][1] if w.tpot_buckets else 0.0
+    target = spec.itl_target_seconds
+    if finished < limits.min_latency_requests or fit is None or plan is None:
+        return None
+    share = share_within(w.tpot_buckets, target)
+    if share >= limits.latency_attainment or not fit.identified:
+        return None
+    if model.degraded(now) or model.queue_growing():
+        return None
+    running = w.per_replica(w.running)
+    demand = model.per_replica()
+    predicted = tpot_mean(fit, running, demand)
+    if tpot_lower(fit, running, demand) <= target:
+        return None  # the model is not sure the batch is to blame: the machine, the prompts
+    new = max(_floor(s.max_num_seqs, spec, limits), min(s.max_num_seqs - 1, plan.latency_cap))
+    if new >= s.max_num_seqs:
+        return None
+    why = (
+        f"latency: {share:.0%} of {finished:.0f} requests met the {target * 1000:.0f} ms TPOT "
+        f"target, and the model puts a step at batch {running:.1f} at "
+        f"{predicted * 1000:.0f} ms: max_num_seqs {s.max_num_seqs} -> {new}"
+    )
+    return Candidate("lower", replace(s, max_num_seqs=new), why)
+
+
+def lora_bound(
+    w: Window, s: EngineSettings, spec: InferenceServiceSpec, limits: TuneLimits
+) -> str | None:
+    """Why max_loras is the bottleneck (MaxLorasBottleneck), or None."""
+    if spec.tuning.max_loras is None or w.lora_bottleneck < limits.lora_bottleneck_share:
+        return None
+    return (
+        f"MaxLorasBottleneck: in {w.lora_bottleneck:.0%} of the window requests waited for "
+        f"adapters with all {s.max_loras} LoRA slots taken and batch slots free"
+    )
+
+
+def loras(
+    w: Window, s: EngineSettings, spec: InferenceServiceSpec, limits: TuneLimits
+) -> Candidate | None:
+    why, bounds = lora_bound(w, s, spec, limits), spec.tuning.max_loras
+    if why is None or bounds is None or s.max_loras is None:
+        return None
+    new = min(bounds.max, math.ceil(s.max_loras * limits.lora_raise_factor))
+    if new <= s.max_loras:
+        return None  # at the bound: the tuner holds and says so; the autoscaler scales out
+    return Candidate(
+        "raise_loras", replace(s, max_loras=new), f"{why}: max_loras {s.max_loras} -> {new}"
+    )
+
+
+def fp8_off(w: Window, replicas: dict[str, Window], s: EngineSettings, spec: InferenceServiceSpec,
+            limits: TuneLimits) -> Candidate | None:  # fmt: skip
+    """Back to the spec's dtype when the KV cache would fit in 16 bits (a planned move)."""
+    default = spec.engine.kv_cache_dtype
+    if not is_fp8(s.kv_cache_dtype) or is_fp8(default) or worst_thrash(replicas) > 0:
+        return None
+    if (
+        w.kv_cache_usage_peak >= limits.fp8_off_kv_peak
+        or w.per_replica(w.waiting) >= limits.min_waiting
+    ):
+        return None
+    why = f"KV cache peak {w.kv_cache_usage_peak:.0%} in fp8 would fit in 16 bits: {s.kv_cache_dtype} -> {default}"
+    return Candidate("fp8_off", replace(s, kv_cache_dtype=default), why)

@@ -1,0 +1,174 @@
+"""The planner: the engine settings a replica should run, from its fitted step model
+(plant.py) and the workload (demand.py). Pure: no I/O, no clock.
+
+- The latency cap ``n_lat``: the largest max_num_seqs whose *upper* bound on the mean step
+  keeps a request's mean time per output token within ``headroom`` x the SLO, with the
+  batch full and carrying the prefill its own arrivals bring (n x prompt / output tokens a
+  step). Never past twice the largest batch observed: the model does not extrapolate.
+- The KV cap ``n_kv``: ``kv_safety`` x the KV blocks over the blocks of a sequence at the
+  95th-percentile prompt and output.
+- The plan: ``min(n_lat, n_kv, tuning.maxNumSeqs.max)``. A max_num_seqs above the demand
+  costs nothing (the cap does not bind), so raising to the plan is safe whenever the
+  upper bound allows it. A lower is planned only when the model is sure (its *lower*
+  bound on the step at today's setting misses the SLO) or the KV cache cannot hold it.
+- Capacity: the requests per second one replica completes at the plan within the SLO,
+  which the autoscaler divides the arrival rate by (one capacity model for both loops).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from batchpilot.operator.loop.demand import Demand
+from batchpilot.operator.loop.plant import Fit
+
+HEADROOM = 0.9  # plan to this share of the TPOT target
+KV_SAFETY = 0.85  # of the KV blocks, at the 95th-percentile sequence
+RAISE_HYSTERESIS = 1.25  # a planned raise moves by at least this factor
+LOWER_HYSTERESIS = 0.8  # a planned lower moves by at least this factor
+
+
+@dataclass(frozen=True)
+class Bounds:
+    min: int
+    max: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    max_num_seqs: int  # what the replica should run
+    latency_cap: int
+    kv_cap: int | None
+    tpot_at_plan: float  # predicted mean TPOT at the plan, batch full (upper bound)
+    capacity: float  # requests/s one replica completes at the plan within the SLO
+    why: str
+
+    def to_status(self) -> dict:
+        out = {
+            "maxNumSeqs": self.max_num_seqs,
+            "latencyCap": self.latency_cap,
+            "predictedTpotSeconds": round(self.tpot_at_plan, 5),
+            "capacityRequestsPerSecond": round(self.capacity, 4),
+            "why": self.why,
+        }
+        if self.kv_cap is not None:
+            out["kvCap"] = self.kv_cap
+        return out
+
+
+def full_batch(n: float, demand: Demand, step: float | None = None) -> tuple[float, float, float]:
+    """(decodes, context tokens, prefill tokens) of one step with ``n`` sequences decoding:
+    contexts halfway through their output, and the prefill the arrivals bring in a step of
+    ``step`` seconds, no more than a full batch's completions admit (n x prompt / output
+    tokens a step; all of it when ``step`` is unknown)."""
+    output = max(demand.output_mean, 1.0)
+    context = n * (demand.prompt_mean + output / 2)
+    admitted = n / output if step is None else min(demand.rate * step, n / output)
+    return n, context, demand.prompt_mean * admitted
+
+
+def _steady(bound, n: float, demand: Demand) -> float | None:
+    """The step time ``bound`` predicts at batch ``n`` with the prefill that step brings: a
+    fixed point, reached from above (the prefill only shrinks with the step)."""
+    t = bound(*full_batch(n, demand))
+    for _ in range(4):
+        if t is None:
+            return None
+        t = bound(*full_batch(n, demand, t))
+    return t
+
+
+def tpot_upper(fit: Fit, n: float, demand: Demand) -> float | None:
+    return _steady(fit.upper, n, demand)
+
+
+def tpot_lower(fit: Fit, n: float, demand: Demand) -> float:
+    return _steady(fit.lower, n, demand) or 0.0
+
+
+def tpot_mean(fit: Fit, n: float, demand: Demand) -> float:
+    return _steady(fit.mean, n, demand) or 0.0
+
+
+def latency_cap(fit: Fit, demand: Demand, target: float, bounds: Bounds, budget: int | None) -> int:
+    """The largest max_num_seqs whose upper-bound TPOT is within headroom x target."""
+    hi = min(bounds.max, math.floor(fit.max_batch), budget or bounds.max)
+    best = bounds.min
+    for n in range(bounds.min, hi + 1):
+        t = tpot_upper(fit, n, demand)
+        if t is None or t > HEADROOM * target:
+            break
+        best = n
+    return best
+
+
+def kv_cap(demand: Demand, num_blocks: int | None, block_size: int | None) -> int | None:
+    if not num_blocks or not block_size:
+        return None
+    tokens = max(1.0, demand.prompt_p95 + demand.output_p95)
+    return max(1, math.floor(KV_SAFETY * num_blocks / math.ceil(tokens / block_size)))
+
+
+def plan(
+    fit: Fit,
+    demand: Demand,
+    target: float,
+    bounds: Bounds,
+    current: int,
+    budget: int | None,
+    kv: tuple[int | None, int | None],
+) -> Plan:
+    """The setting the model supports, and why."""
+    lat = latency_cap(fit, demand, target, bounds, budget)
+    kvc = kv_cap(demand, *kv)
+    n = max(bounds.min, min(lat, kvc if kvc is not None else lat, bounds.max))
+    t = tpot_upper(fit, n, demand) or tpot_mean(fit, n, demand)
+    capacity = n / (max(demand.output_mean, 1.0) * t) if t > 0 else 0.0
+    binding = "the KV cache" if kvc is not None and kvc < lat else "the TPOT target"
+    if n == bounds.max and lat >= bounds.max and (kvc is None or kvc >= bounds.max):
+        binding = "tuning.maxNumSeqs.max"
+    why = (
+        f"model: step {tpot_mean(fit, n, demand) * 1000:.1f} ms at batch {n} "
+        f"(upper {t * 1000:.1f} ms against the {target * 1000:.0f} ms TPOT target), "
+        f"latency cap {lat}, KV cap {kvc if kvc is not None else 'unknown'}: {binding} binds"
+    )
+    return Plan(n, lat, kvc, t, capacity, why)
+
+
+def planned_move(p: Plan, fit: Fit, demand: Demand, target: float, current: int) -> int | None:
+    """The max_num_seqs to move to, or None: a raise past the hysteresis whenever the
+    upper bound allows it; a lower only when the lower bound at today's setting misses the
+    target or the KV cache cannot hold today's setting."""
+    if p.max_num_seqs >= RAISE_HYSTERESIS * current:
+        return p.max_num_seqs
+    if p.max_num_seqs <= LOWER_HYSTERESIS * current:
+        sure = (
+            fit.identified
+            and current <= fit.max_batch
+            and tpot_lower(fit, current, demand) > target
+        )
+        kv_short = p.kv_cap is not None and p.kv_cap < current
+        if sure or kv_short:
+            return p.max_num_seqs
+    return None
+
+
+def capacity_at(fit: Fit, demand: Demand, target: float, n: int, bounds: Bounds) -> float:
+    """Requests per second one replica completes within the TPOT target at max_num_seqs
+    ``n``: a full batch at ``n``, or at the latency cap when ``n`` is past it (requests
+    admitted beyond the cap miss their target and add nothing)."""
+    lat = latency_cap(fit, demand, target, bounds, None)
+    n = max(1, min(n, lat))
+    t = tpot_mean(fit, n, demand)
+    return n / (max(demand.output_mean, 1.0) * t) if t > 0 else 0.0
+
+
+UTILISATION = 0.8  # replicas are sized to run at this share of their capacity
+
+
+def replicas_for(arrivals_per_second: float, capacity: float) -> int | None:
+    """The replicas the arrival rate needs at ``capacity`` per replica, None without one."""
+    if capacity <= 0:
+        return None
+    return max(1, math.ceil(arrivals_per_second / (UTILISATION * capacity)))

@@ -1,0 +1,161 @@
+"""A digital twin of one replica for choosing the step budget (max_num_batched_tokens): the
+fitted workload replayed through the fitted step model. No formula transfers between
+machines here (one chunk per step suits a GPU, fewer larger chunks a CPU with a large
+per-step overhead), so each candidate budget is scored by the per-request goodput the twin
+predicts, on the same arrivals (common random numbers), with the mean and with the upper
+bound of the step model; a budget wins only if it beats today's under both by a margin.
+
+The replica: continuous batching with chunked prefill as the server schedules it (decodes
+first, one token each; the rest of the budget goes to prompts in arrival order, a new one
+admitted while a slot is free). Lengths are drawn from the demand's histograms at their
+means (``sampler``). Pure: no I/O, no clock; seeded.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from batchpilot.operator.loop.demand import Demand
+from batchpilot.operator.loop.plant import Fit
+
+SECONDS = 120.0  # simulated per candidate
+SEEDS = (1,)
+MARGIN = 1.05  # a new budget must predict this x today's goodput, with both step models
+MAX_REQUESTS = 1500  # a cap on the twin's work at high rates
+
+
+@dataclass
+class _Req:
+    arrival: float
+    prompt: int
+    output: int
+    todo: int  # prompt tokens left
+    first: float = 0.0
+    done: int = 0
+    decode_seconds: float = 0.0
+
+
+def sampler(hist, mean: float) -> Callable[[random.Random], int]:
+    """Lengths from a histogram of 1-2-5 buckets with a known mean: a bucket drawn by its
+    count, then the point at the same fraction of every bucket's width that gives the mean
+    (exact lengths are not exported; the mean is, and a uniform spread inside the wide
+    upper buckets would invent a tail)."""
+    buckets, lower = [], 0.0
+    for le, count in hist:
+        hi = 2 * lower if math.isinf(le) else le
+        if count > 0:
+            buckets.append((lower, max(hi, lower), count))
+        lower = le if not math.isinf(le) else lower
+    total = sum(c for _, _, c in buckets)
+    if total <= 0:
+        return lambda rng: max(1, round(rng.expovariate(1 / max(mean, 1.0))))
+    low = sum(lo * c for lo, _, c in buckets) / total
+    span = sum((hi - lo) * c for lo, hi, c in buckets) / total
+    f = min(1.0, max(0.0, (mean - low) / span)) if span > 0 else 0.0
+    points = [lo + f * (hi - lo) for lo, hi, _ in buckets]
+    weights = [c for _, _, c in buckets]
+    return lambda rng: max(1, round(rng.choices(points, weights)[0]))
+
+
+def arrivals(demand: Demand, seed: int) -> list[tuple[float, int, int]]:
+    rng = random.Random(seed)
+    prompt = sampler(demand.prompt_hist, demand.prompt_mean)
+    output = sampler(demand.output_hist, demand.output_mean)
+    out, t = [], 0.0
+    while demand.rate > 0 and len(out) < MAX_REQUESTS:
+        t += rng.expovariate(demand.rate)
+        if t >= SECONDS:
+            break
+        out.append((t, prompt(rng), output(rng)))
+    return out
+
+
+def goodput(step: Callable[[float, float, float], float], reqs, mns: int, budget: int,
+            ttft: float, tpot: float) -> float:  # fmt: skip
+    """Tokens/s of requests that met both targets, over the replay."""
+    pending = [_Req(a, p, o, p) for a, p, o in reqs]
+    pending.reverse()
+    prefilling: list[_Req] = []
+    decoding: list[_Req] = []
+    t, good = 0.0, 0
+    while (pending or prefilling or decoding) and t < 2 * SECONDS:
+        while pending and pending[-1].arrival <= t and len(prefilling) + len(decoding) < mns:
+            prefilling.append(pending.pop())
+        if not prefilling and not decoding:
+            t = pending[-1].arrival
+            continue
+        room = budget - len(decoding)
+        chunked = 0
+        for r in prefilling:
+            take = min(r.todo, room - chunked)
+            r.todo -= take
+            chunked += take
+        context = sum(r.prompt + r.done for r in decoding)
+        dt = step(len(decoding), context, chunked)
+        t += dt
+        still = []
+        for r in decoding:
+            r.done += 1
+            r.decode_seconds += dt
+            if r.done < r.output:
+                still.append(r)
+            elif r.first - r.arrival <= ttft and r.decode_seconds / (r.output - 1) <= tpot:
+                good += r.output
+        decoding = still
+        for r in prefilling:
+            if r.todo == 0:
+                r.first, r.done = t, 1  # the step that ends a prompt yields its first token
+                if r.output > 1:
+                    decoding.append(r)
+                elif t - r.arrival <= ttft:
+                    good += 1
+        prefilling = [r for r in prefilling if r.todo > 0]
+    return good / SECONDS
+
+
+@dataclass(frozen=True)
+class BudgetChoice:
+    budget: int | None  # None: keep today's
+    predicted: dict[int, float]  # budget -> goodput with the mean step model
+    why: str
+
+
+def choose_budget(fit: Fit, demand: Demand, mns: int, today: int, candidates: list[int],
+                  ttft: float, tpot: float) -> BudgetChoice:  # fmt: skip
+    """The budget to move to, or None. The twin's verdict must hold across the model's
+    uncertainty: the winner beats today's by the margin with the mean step model, and is
+    no worse with the model's lower and upper bounds (the same plant error moves every
+    candidate, so the comparison is paired)."""
+    runs = [arrivals(demand, s) for s in SEEDS]
+
+    def score(step, budget: int) -> float:
+        return sum(goodput(step, r, mns, budget, ttft, tpot) for r in runs) / len(runs)
+
+    def upper(n, c, p):
+        return fit.upper(n, c, p) or 2 * fit.mean(n, c, p)
+
+    mean = {b: score(fit.mean, b) for b in sorted({*candidates, today})}
+    best = max(mean, key=lambda b: (mean[b], -abs(b - today)))
+    facts = ", ".join(f"{b}: {g:.1f}" for b, g in mean.items())
+    if best == today or mean[best] < MARGIN * mean[today]:
+        return BudgetChoice(None, mean, f"twin goodput by budget ({facts} tokens/s): keep {today}")
+    for name, step in (("upper", upper), ("lower", fit.lower)):
+        if score(step, best) < score(step, today):
+            why = f"twin: {best} wins with the mean step model ({facts}) but not with its {name} bound"
+            return BudgetChoice(None, mean, why)
+    return BudgetChoice(best, mean, f"twin goodput by budget ({facts} tokens/s): {today} -> {best}")
+
+
+def budget_candidates(low: int, high: int, mns: int) -> list[int]:
+    """Powers of two within the bounds, and the bounds, never under max_num_seqs (a step
+    holds one token of every running sequence)."""
+    out = {low, high}
+    b = 1
+    while b <= high:
+        if b >= low:
+            out.add(b)
+        b *= 2
+    return sorted(c for c in out if c >= mns)

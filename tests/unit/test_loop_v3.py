@@ -1,0 +1,397 @@
+"""The loop v3's models, each on its own: the online step model (plant.py), the change
+detectors (changes.py, demand.py, the residual in model_state.py), the planner's caps and
+hysteresis (planner.py) and the no-harm test with its score (verify.py). Inputs are built
+directly: step cells of a known plant, windows of Poisson counts with a fixed seed. The
+guardrails and the tuner's flows are in test_loop_laws.py and test_tuner_experiments.py."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from batchpilot.operator.loop import verify
+from batchpilot.operator.loop.changes import Cusum
+from batchpilot.operator.loop.demand import Demand
+from batchpilot.operator.loop.model_state import SETTLE_SECONDS, ModelState
+from batchpilot.operator.loop.observe import Window
+from batchpilot.operator.loop.observe_steps import StepCell
+from batchpilot.operator.loop.planner import (
+    HEADROOM,
+    Bounds,
+    capacity_at,
+    kv_cap,
+    latency_cap,
+    plan,
+    planned_move,
+    replicas_for,
+    tpot_lower,
+    tpot_upper,
+)
+from batchpilot.operator.loop.plant import HALF_LIFE_SECONDS, MIN_STEPS, StepModel
+from batchpilot.operator.loop.tuner_state import Score
+from tests.support.loop import BETA, DEMAND, replica, step_cells, step_seconds, within
+
+TURN = 15.0  # the loop's period, seconds
+
+# --------------------------------------------------------------------------- plant
+
+
+def fitted(batches=(1, 2, 4, 8, 16), **kw):
+    return StepModel().ingest(step_cells(batches, **kw), 0.0).fit()
+
+
+def test_the_fit_recovers_a_known_plant():
+    fit = fitted()
+    assert fit is not None and fit.identified
+    for got, want in zip(fit.beta, BETA, strict=True):
+        assert got == pytest.approx(want, rel=0.02)
+    assert fit.mean(8, 8 * 600, 0) == pytest.approx(step_seconds(8, 8 * 600, 0), rel=0.02)
+    assert fit.to_status()["identified"] is True
+    # With 1 % noise on every cell's mean, every prediction in the range stays within 2 %.
+    rng = random.Random(7)
+    noisy = fitted(noise=lambda: 1 + rng.uniform(-0.01, 0.01))
+    for n in (1, 3, 8, 16):
+        for context, prefill in ((600, 0), (1800, 256)):
+            truth = step_seconds(n, n * context, prefill)
+            assert noisy.mean(n, n * context, prefill) == pytest.approx(truth, rel=0.02)
+            assert (
+                noisy.lower(n, n * context, prefill) < truth < noisy.upper(n, n * context, prefill)
+            )
+
+
+def test_a_model_is_not_ready_before_enough_steps_and_thin_cells_do_not_count():
+    assert StepModel().ingest(step_cells(steps=5), 0.0).steps == 0  # every cell under 20 steps
+    few = StepModel().ingest(step_cells((8,), steps=20), 0.0)
+    assert few.steps < MIN_STEPS and few.fit() is None
+
+
+def test_no_prediction_past_twice_the_largest_batch_observed():
+    fit = fitted()
+    assert fit.max_batch == 32
+    assert fit.upper(32, 32 * 600, 0) is not None
+    assert fit.upper(32.5, 32 * 600, 0) is None
+    assert tpot_upper(fit, 40, DEMAND) is None
+    # The lower bound and the mean do not refuse: only the bound a raise rests on does.
+    assert fit.lower(40, 0, 0) < fit.mean(40, 0, 0)
+
+
+def test_a_plant_that_is_not_the_models_form_widens_every_bound():
+    fit = fitted()
+    # Superlinear in the batch (1.8x the linear plant's step at 16).
+    bent = tuple(replace(c, seconds=c.seconds * (1 + 0.05 * c.batch_le)) for c in step_cells())
+    curved = StepModel().ingest(bent, 0.0).fit()
+    assert curved.misfit > fit.misfit
+    width = fit.upper(8, 4800, 0) - fit.lower(8, 4800, 0)
+    assert curved.upper(8, 4800, 0) - curved.lower(8, 4800, 0) > 1.5 * width
+
+
+def test_one_batch_size_is_not_identified_and_predicts_in_proportion():
+    fit = fitted(batches=(8,))
+    assert fit is not None and not fit.identified
+    seen = fit.mean(8, 0, 0)
+    # Proportional to the batch: pessimistic past what was seen, whatever the base cost.
+    assert fit.mean(16, 0, 0) == pytest.approx(2 * seen)
+    assert fit.mean(16, 16 * 600, 0) > step_seconds(16, 16 * 600, 0)
+    assert fit.mean(4, 0, 0) == pytest.approx(seen / 2)
+
+
+def test_the_evidence_decays_with_its_half_life_and_is_forgotten_after_a_change():
+    model = StepModel().ingest(step_cells(), 0.0)
+    later = model.decayed(HALF_LIFE_SECONDS)
+    assert later.steps == pytest.approx(model.steps / 2)
+    assert later.updated == HALF_LIFE_SECONDS
+    assert later.fit().beta == pytest.approx(model.fit().beta)  # decay alone moves nothing
+    assert model.forget(0.1).steps == pytest.approx(0.1 * model.steps)
+    # A machine twice as slow, seen two hours later: the fit follows it.
+    slow = model.ingest(step_cells(scale=2.0), 4 * HALF_LIFE_SECONDS).fit()
+    for got, want in zip(slow.beta, BETA, strict=True):
+        assert got == pytest.approx(2 * want, rel=0.05)
+
+
+def test_the_step_model_round_trips_through_the_status():
+    model = StepModel().ingest(step_cells(), 100.0)
+    back = StepModel.from_status(model.to_status())
+    assert back.steps == pytest.approx(model.steps) and back.updated == 100.0
+    assert (back.max_batch, back.min_batch) == (16, 1)
+    assert back.fit().beta == pytest.approx(model.fit().beta, rel=1e-6)
+    empty = StepModel.from_status(StepModel().to_status())
+    assert empty.min_batch == math.inf and empty.fit() is None
+    with pytest.raises(ValueError):
+        StepModel.from_status({**model.to_status(), "xty": [1.0, 2.0]})
+
+
+# --------------------------------------------------------------------------- change points
+
+
+def test_cusum_raises_no_alarm_in_ten_hours_of_a_steady_statistic():
+    rng = random.Random(2026)
+    c = Cusum()
+    for _ in range(2400):  # 10 h of 15 s turns
+        c, side = c.update(rng.gauss(0, 1))
+        assert side is None
+
+
+@pytest.mark.parametrize("shift, side", [(1.5, "up"), (-1.5, "down")])
+def test_cusum_sees_a_one_and_a_half_sigma_shift_within_twenty_turns(shift, side):
+    rng = random.Random(11)
+    c = Cusum()
+    for _ in range(200):
+        c, _ = c.update(rng.gauss(0, 1))
+    for turn in range(1, 100):  # noqa: B007 (read after the loop)
+        c, seen = c.update(rng.gauss(shift, 1))
+        if seen:
+            break
+    assert seen == side and turn <= 20, turn
+    assert c == Cusum()  # reset after an alarm
+    assert Cusum.from_status(Cusum(1.25, 3.5).to_status()) == Cusum(1.25, 3.5)
+
+
+def arrivals(count: float, span: float = TURN) -> Window:
+    """One replica's window with ``count`` arrivals and no finished request."""
+    w = replica(arrivals=count / span, span=span, finished=0)
+    return replace(w, requests_finished=0.0)
+
+
+def test_demand_raises_no_alarm_in_ten_hours_of_poisson_arrivals():
+    rng = np.random.default_rng(5)
+    d = Demand()
+    for count in rng.poisson(15, size=2400):  # 1 request/s, 15 s windows, 10 h
+        d, changed = d.ingest(arrivals(count))
+        assert changed == []
+    assert d.rate == pytest.approx(1.0, rel=0.1)
+
+
+def test_demand_sees_an_arrival_rate_step_within_ten_minutes():
+    rng = np.random.default_rng(6)
+    d = Demand()
+    for count in rng.poisson(15, size=240):  # an hour at 1 request/s
+        d, changed = d.ingest(arrivals(count))
+        assert changed == []
+    for turn, count in enumerate(rng.poisson(22.5, size=80), start=1):  # noqa: B007
+        d, changed = d.ingest(arrivals(count))
+        if changed:
+            break
+    assert changed == ["arrival rate went up"] and turn * TURN <= 600, turn
+    assert d.rate > 1.2 and d.seconds == TURN  # the estimate starts over at the new rate
+
+
+def test_demand_sees_longer_prompts_and_is_ready_after_enough_observation():
+    assert not Demand().ready
+    d = Demand()
+    base = replica(finished=20, arrivals=1.0, span=TURN)
+    for _ in range(10):
+        d, changed = d.ingest(base)
+        assert changed == []
+    assert d.ready and d.prompt_mean == pytest.approx(200) and d.output_mean == pytest.approx(100)
+    longer = replace(base, prompt_tokens_sum=400.0 * 20)
+    seen = []
+    for _ in range(10):
+        d, changed = d.ingest(longer)
+        seen += changed
+    assert seen == ["prompt length went up"]
+    assert Demand.from_status(d.to_status()).prompt_mean == pytest.approx(d.prompt_mean, abs=0.1)
+
+
+# --------------------------------------------------------------------------- model state
+
+
+def plant_window(scale: float = 1.0, noise=None) -> Window:
+    return replace(replica(span=TURN), steps=step_cells(scale=scale, noise=noise))
+
+
+def test_a_machine_that_slows_down_starts_a_degraded_freeze_and_a_new_epoch():
+    rng = random.Random(3)
+    m, now = ModelState(), 0.0
+    for _ in range(240):  # an hour of a steady plant with 3 % noise: no alarm
+        now += TURN
+        m = m.ingest(plant_window(noise=lambda: 1 + rng.uniform(-0.03, 0.03)), now)
+        assert m.changes == () and not m.degraded(now)
+    epoch, steps = m.epoch, m.step.steps
+    for turn in range(1, 10):  # noqa: B007 (a neighbour: every step 1.5x as long)
+        now += TURN
+        m = m.ingest(plant_window(scale=1.5), now)
+        if m.changes:
+            break
+    assert turn <= 5 and m.changes[0].startswith("plant changed: step time above the model")
+    assert m.epoch == epoch + 1 and m.degraded(now) and m.degraded(now + SETTLE_SECONDS - 1)
+    assert not m.degraded(now + SETTLE_SECONDS)
+    assert m.step.steps < steps  # the old plant's evidence is mostly forgotten
+    assert m.to_status()["degradedReason"] == m.degraded_why
+
+
+def test_the_queue_is_growing_only_after_three_rising_turns():
+    assert not ModelState(queue=(1.0, 2.0)).queue_growing()
+    assert ModelState(queue=(1.0, 2.0, 3.0)).queue_growing()
+    assert not ModelState(queue=(3.0, 2.0, 3.0)).queue_growing()
+    assert not ModelState(queue=(0.1, 0.2, 0.3)).queue_growing()  # under one request
+    m = ModelState()
+    for waiting in (1.0, 2.0, 4.0, 8.0):
+        m = m.ingest(replica(waiting=waiting, span=TURN), 0.0)
+    assert m.queue == (2.0, 4.0, 8.0) and m.queue_growing()
+
+
+def test_the_model_state_round_trips_through_the_status():
+    m = ModelState(
+        step=StepModel().ingest(step_cells(), 50.0),
+        demand=DEMAND,
+        residual=Cusum(0.5, 0.0),
+        epoch=3,
+        degraded_until=900.0,
+        degraded_why="step time above the model by +40%",
+        planned=(10.0, 20.0),
+        queue=(1.0, 2.5),
+        observed_until=60.0,
+    )
+    back = ModelState.from_status(m.to_status())
+    assert (back.epoch, back.degraded_until, back.degraded_why) == (3, 900.0, m.degraded_why)
+    assert (back.planned, back.queue, back.observed_until) == ((10.0, 20.0), (1.0, 2.5), 60.0)
+    assert back.residual == m.residual and back.demand.rate == DEMAND.rate
+    assert back.fit().beta == pytest.approx(m.fit().beta, rel=1e-6)
+    assert m.to_status()["fit"]["identified"] is True
+
+
+# --------------------------------------------------------------------------- planner
+
+TARGET = 0.1
+BOUNDS = Bounds(2, 64)
+
+
+def test_the_latency_cap_is_the_largest_batch_whose_upper_bound_meets_the_headroom():
+    fit = fitted()
+    cap = latency_cap(fit, DEMAND, TARGET, BOUNDS, None)
+    brute = max(n for n in range(2, 33) if (tpot_upper(fit, n, DEMAND) or 1e9) <= HEADROOM * TARGET)
+    assert cap == brute and 2 < cap < 32
+    assert tpot_upper(fit, cap, DEMAND) <= HEADROOM * TARGET < tpot_upper(fit, cap + 1, DEMAND)
+    # Never past twice the largest batch observed, the bound or the step's token budget.
+    assert latency_cap(fit, DEMAND, 10.0, BOUNDS, None) == 32
+    assert latency_cap(fit, DEMAND, 10.0, Bounds(2, 20), None) == 20
+    assert latency_cap(fit, DEMAND, 10.0, BOUNDS, 12) == 12
+
+
+def test_the_kv_cap_is_the_blocks_over_a_long_sequence():
+    # 400 + 200 tokens in 16-token blocks: 38 blocks; 85 % of 1,000 blocks holds 22.
+    assert kv_cap(DEMAND, 1000, 16) == 22
+    assert kv_cap(DEMAND, None, 16) is None and kv_cap(DEMAND, 1000, None) is None
+    p = plan(fitted(), DEMAND, TARGET, BOUNDS, 8, None, (1000, 16))
+    assert (p.max_num_seqs, p.kv_cap) == (22, 22) and "the KV cache binds" in p.why
+    p = plan(fitted(), DEMAND, TARGET, BOUNDS, 8, None, (None, None))
+    assert p.max_num_seqs == p.latency_cap and "the TPOT target binds" in p.why
+    assert p.capacity > 0 and p.to_status()["maxNumSeqs"] == p.max_num_seqs
+
+
+def test_a_planned_raise_needs_a_quarter_more():
+    fit = fitted()
+    p = plan(fit, DEMAND, TARGET, BOUNDS, 8, None, (None, None))
+    n = p.max_num_seqs
+    assert planned_move(p, fit, DEMAND, TARGET, math.floor(n / 1.25)) == n
+    assert planned_move(p, fit, DEMAND, TARGET, math.floor(n / 1.25) + 1) is None
+    assert planned_move(p, fit, DEMAND, TARGET, n) is None
+
+
+def test_a_planned_lower_needs_the_lower_bound_at_todays_setting_to_miss():
+    fit = fitted()
+    # At 32 the model's lower bound is under 0.09 s: a 0.09 s target is not surely missed.
+    assert tpot_lower(fit, 32, DEMAND) < 0.09
+    p = plan(fit, DEMAND, 0.09, BOUNDS, 32, None, (None, None))
+    assert p.max_num_seqs <= 0.8 * 32
+    assert planned_move(p, fit, DEMAND, 0.09, 32) is None
+    # A 0.06 s target is missed even at the lower bound: the plan's lower goes ahead.
+    assert tpot_lower(fit, 32, DEMAND) > 0.06
+    p = plan(fit, DEMAND, 0.06, BOUNDS, 32, None, (None, None))
+    assert planned_move(p, fit, DEMAND, 0.06, 32) == p.max_num_seqs < 32
+    # Past what the model may speak for (twice 16), it is not sure either ...
+    assert planned_move(p, fit, DEMAND, 0.06, 48) is None
+    # ... unless the KV cache cannot hold today's setting.
+    short = replace(p, kv_cap=p.max_num_seqs)
+    assert planned_move(short, fit, DEMAND, 0.06, 48) == p.max_num_seqs
+
+
+def test_capacity_and_the_replicas_it_asks_for():
+    fit = fitted()
+    lat = latency_cap(fit, DEMAND, TARGET, BOUNDS, None)
+    at_cap = capacity_at(fit, DEMAND, TARGET, lat, BOUNDS)
+    assert capacity_at(fit, DEMAND, TARGET, 64, BOUNDS) == at_cap  # past the cap: nothing more
+    assert 0 < capacity_at(fit, DEMAND, TARGET, 4, BOUNDS) < at_cap
+    assert replicas_for(3.0, 1.0) == 4  # sized to 80 % of capacity
+    assert replicas_for(0.1, 1.0) == 1 and replicas_for(3.0, 0.0) is None
+
+
+# --------------------------------------------------------------------------- verify
+
+TARGETS = verify.Targets(ttft_seconds=2.0, tpot_seconds=0.1)
+
+
+def score(attainment: float, requests: float) -> Score:
+    return Score(requests, attainment, 100.0, 6.0, 0.0, 60.0)
+
+
+def test_share_within_interpolates_inside_the_bucket_that_holds_the_target():
+    buckets = ((0.1, 50.0), (0.2, 100.0), (math.inf, 100.0))
+    assert verify.share_within(buckets, 0.15) == pytest.approx(0.75)
+    assert verify.share_within(buckets, 0.1) == pytest.approx(0.5)
+    assert verify.share_within(buckets, 0.05) == pytest.approx(0.25)  # the first starts at 0
+    assert verify.share_within(buckets, 0.0) == 0.0
+    assert verify.share_within(buckets, 0.3) == pytest.approx(1.0)
+    # Observations past the last finite bound all miss it.
+    assert verify.share_within(((0.1, 50.0), (math.inf, 100.0)), 0.5) == pytest.approx(0.5)
+    assert verify.share_within((), 0.1) == 1.0
+    assert verify.share_within(((0.1, 0.0), (math.inf, 0.0)), 0.1) == 1.0
+
+
+def test_the_score_is_the_share_of_requests_within_both_targets_per_replica():
+    s = verify.score(replica(finished=100, tpot_share=0.8, ttft_share=0.9, tokens=150), TARGETS)
+    assert s.attainment == pytest.approx(0.72) and s.requests == 100
+    assert s.throughput == 150 and s.running == 6
+    assert verify.score(replica(finished=0), TARGETS).attainment == 1.0
+
+
+def test_the_score_counts_requests_waiting_past_the_ttft_target_as_misses():
+    queued = replica(finished=100, waiting=20, oldest_waiting=5.0)
+    s = verify.score(queued, TARGETS)
+    assert s.requests == 120 and s.attainment == pytest.approx(100 / 120)
+    assert s.waiting == 20
+    # A queue whose oldest request is still within the target misses nothing yet.
+    fresh = verify.score(replace(queued, oldest_waiting_seconds=1.0), TARGETS)
+    assert (fresh.requests, fresh.attainment) == (100, 1.0)
+
+
+def test_the_sequential_test_passes_a_no_op_and_fails_a_clear_harm():
+    v = verify.test(score(1.0, 60), score(1.0, 60), 60.0)
+    assert v.decided and v.passed, v.why
+    v = verify.test(score(0.95, 200), score(0.6, 200), 60.0)
+    assert v.decided and not v.passed and "worse by more than 5%" in v.why
+
+
+def test_the_sequential_test_waits_when_undecided_and_fails_at_the_limit():
+    v = verify.test(score(0.95, 30), score(0.93, 30), 60.0)
+    assert not v.decided and "undecided" in v.why
+    v = verify.test(score(0.95, 30), score(0.93, 30), verify.MAX_SECONDS)
+    assert v.decided and not v.passed and "not shown harmless" in v.why
+    # Before the minimum time or requests: no look at all, and none short of the limit.
+    assert not verify.test(score(1.0, 200), score(1.0, 200), 30.0).decided
+    assert not verify.test(score(1.0, 200), score(1.0, 5), 120.0).decided
+    v = verify.test(score(1.0, 200), score(1.0, 5), verify.MAX_SECONDS)
+    assert v.decided and not v.passed and "too few requests" in v.why
+
+
+def test_a_canary_whose_steps_are_slower_at_matched_batch_fails():
+    def cells(scale: float, steps: float) -> tuple[StepCell, ...]:
+        return step_cells((4, 8), steps=steps, scale=scale)
+
+    # The control runs more steps (it carries more load): only the time per step counts.
+    control = replace(replica(), steps=cells(1.0, 300))
+    trial = replace(replica(), steps=cells(1.5, 100))
+    assert verify.step_ratio(trial, control) == pytest.approx(1.5)
+    assert verify.step_ratio(replace(trial, steps=cells(1.0, 100)), control) == pytest.approx(1.0)
+    assert verify.step_ratio(trial, replica()) is None  # nothing matched
+    v = verify.test(score(1.0, 200), score(1.0, 200), 60.0, ratio=1.5)
+    assert v.decided and not v.passed and "step time" in v.why
+    assert verify.test(score(1.0, 200), score(1.0, 200), 60.0, ratio=1.1).passed
+
+
+def test_within_builds_the_share_it_is_asked_for():
+    assert verify.share_within(within(0.7, 0.1, 50), 0.1) == pytest.approx(0.7)
