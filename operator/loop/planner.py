@@ -5,8 +5,8 @@
   keeps a request's mean time per output token within ``headroom`` x the SLO, with the
   batch full and carrying the prefill its own arrivals bring (n x prompt / output tokens a
   step). Never past twice the largest batch observed: the model does not extrapolate.
-- The KV cap ``n_kv``: ``kv_safety`` x the KV blocks over the blocks of a sequence at the
-  95th-percentile prompt and output.
+- The KV cap ``n_kv``: ``kv_safety`` x the KV blocks over the blocks a sequence holds on
+  average in a full batch (its prompt and half its output, plus a partly filled block).
 - The plan: ``min(n_lat, n_kv, tuning.maxNumSeqs.max)``. A max_num_seqs above the demand
   costs nothing (the cap does not bind), so raising to the plan is safe whenever the
   upper bound allows it. A lower is planned only when the model is sure (its *lower*
@@ -24,7 +24,7 @@ from batchpilot.operator.loop.demand import Demand
 from batchpilot.operator.loop.plant import Fit
 
 HEADROOM = 0.9  # plan to this share of the TPOT target
-KV_SAFETY = 0.85  # of the KV blocks, at the 95th-percentile sequence
+KV_SAFETY = 0.85  # of the KV blocks, at the mean occupancy of a sequence
 RAISE_HYSTERESIS = 1.25  # a planned raise moves by at least this factor
 LOWER_HYSTERESIS = 0.8  # a planned lower moves by at least this factor
 
@@ -106,8 +106,11 @@ def latency_cap(fit: Fit, demand: Demand, target: float, bounds: Bounds, budget:
 def kv_cap(demand: Demand, num_blocks: int | None, block_size: int | None) -> int | None:
     if not num_blocks or not block_size:
         return None
-    tokens = max(1.0, demand.prompt_p95 + demand.output_p95)
-    return max(1, math.floor(KV_SAFETY * num_blocks / math.ceil(tokens / block_size)))
+    # A full batch holds sequences at every stage of their output: on average the prompt
+    # and half the output, plus the block each has partly filled. The tail is the thrash
+    # guardrail's (tested) business, not a reason to size every slot for the longest.
+    tokens = max(1.0, demand.prompt_mean + demand.output_mean / 2)
+    return max(1, math.floor(KV_SAFETY * num_blocks / (tokens / block_size + 1)))
 
 
 def plan(

@@ -32,12 +32,15 @@ def spec(engine=None, autoscaling=None, tuning=None):
 
 def assert_safe(result: SimResult, s) -> None:
     """Never out of bounds; planned changes (TuningTrial) a dwell apart and at most
-    ``planned_per_hour`` an hour (guardrails move at once and are not counted)."""
+    ``planned_per_hour`` an hour (guardrails move at once and are not counted, nor is a
+    thrash lower, which is tested at once)."""
     lo, hi = s.tuning.max_num_seqs.min, s.tuning.max_num_seqs.max
     for point in result.trace:
         assert lo <= point.max_num_seqs <= hi, point
     limits = TuneLimits()
-    planned = [t for t, reason, _ in result.events if reason == "TuningTrial"]
+    planned = [
+        t for t, reason, why in result.events if reason == "TuningTrial" and "KV thrash" not in why
+    ]
     for a, b in itertools.pairwise(planned):
         assert b - a >= limits.dwell_seconds, planned
     for t in planned:

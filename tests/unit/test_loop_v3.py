@@ -272,11 +272,12 @@ def test_the_latency_cap_is_the_largest_batch_whose_upper_bound_meets_the_headro
     assert latency_cap(fit, DEMAND, 10.0, BOUNDS, 12) == 12
 
 
-def test_the_kv_cap_is_the_blocks_over_a_long_sequence():
-    # 400 + 200 tokens in 16-token blocks: 38 blocks; 85 % of 1,000 blocks holds 22.
-    assert kv_cap(DEMAND, 1000, 16) == 22
+def test_the_kv_cap_is_the_blocks_over_a_sequence_halfway_through_its_output():
+    # 200 + 100 / 2 tokens in 16-token blocks, plus the block each has partly filled:
+    # 16.6 blocks; 85 % of 1,000 blocks holds 51, of 440 blocks 22.
+    assert kv_cap(DEMAND, 1000, 16) == 51
     assert kv_cap(DEMAND, None, 16) is None and kv_cap(DEMAND, 1000, None) is None
-    p = plan(fitted(), DEMAND, TARGET, BOUNDS, 8, None, (1000, 16))
+    p = plan(fitted(), DEMAND, TARGET, BOUNDS, 8, None, (440, 16))
     assert (p.max_num_seqs, p.kv_cap) == (22, 22) and "the KV cache binds" in p.why
     p = plan(fitted(), DEMAND, TARGET, BOUNDS, 8, None, (None, None))
     assert p.max_num_seqs == p.latency_cap and "the TPOT target binds" in p.why
