@@ -3,15 +3,15 @@ at once when the model blames the batch for a TPOT target the pod misses, each v
 status.tuning (history, the model's fit and plan in inputs) and in the InferenceService's
 Events (TuningGuardrail), and each reaching the running pod's batchpilot:max_num_seqs.
 
-One replica, autoscaling off, max_num_seqs starting at 4 within tuning.maxNumSeqs 1..8:
+One replica, autoscaling off, max_num_seqs starting at 4 within tuning.maxNumSeqs 1..16:
 
 (a) raised: 16 streams against 4 slots queue at once; the queue guardrail raises to the safe
-    cap in one move (twice today's value while the model cannot speak yet, here the bound 8),
-    with no trial and no verdict;
+    cap in one move (twice the largest batch seen while the model cannot speak further),
+    with no trial and no verdict (a planned raise, tested, may come before it);
 (b) lowered: short requests at fewer streams than slots, then a TPOT target no CPU pod can
     meet (1 ms); the model, fitted on the pod's own step counters, puts the running batch's
     step over the target even at its lower bound, so the latency guardrail lowers, at most
-    halving (8 -> 4), and the queue guardrail does not undo it (its cap is the model's
+    halving, and the queue guardrail does not undo it (its cap is the model's
     latency cap).
 A planned change under the no-harm test, on a canary and kept or reverted, is not exercised
 here (docs/tuning.md says what evidence covers it).
@@ -62,7 +62,7 @@ def tuning_sample(namespace: str) -> dict:
     spec["autoscaling"] = {"enabled": False}
     spec["tuning"] = {
         "enabled": True,
-        "maxNumSeqs": {"min": 1, "max": 8},
+        "maxNumSeqs": {"min": 1, "max": 16},
         "cooldownSeconds": 20,
     }
     spec["slo"] = {"timeToFirstTokenSeconds": 600, "interTokenLatencySeconds": 30}
@@ -240,7 +240,6 @@ def _raised_then_lowered(kind: Kind, namespace: str, url: str, tmp_path: Path, l
     tuning = tuning_status(kind, namespace)
     assert raised["maxNumSeqs"] > START_MNS, dump(tuning)
     assert raised["reason"].startswith("guardrail: queue:"), dump(tuning)
-    assert not any(d.get("action") in ("try", "canary") for d in tuning["history"]), dump(tuning)
     print(f"raised: {json.dumps(raised)}")
     try:
         wait_for(

@@ -277,7 +277,7 @@ def _verify(view: View, spec, state: TunerState, settings, now: float):
         before = e.baseline
     after = e.trial.score(now - e.started)
     state = replace(state, experiment=e)
-    v = verify.test(before, after, now - e.started, ratio)
+    v = verify.test(before, after, now - e.started, ratio, paired=e.canary is not None)
     if not v.decided:
         return _hold(state, settings, f"testing {e.kind}: {v.why}", now)
     return _end(state, e, "keep" if v.passed else "revert", v.why, now, before, after)

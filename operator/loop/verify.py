@@ -96,20 +96,30 @@ class Verdict:
     why: str
 
 
-def test(before: Score, after: Score, elapsed: float, ratio: float | None = None) -> Verdict:
-    """One look of the sequential non-inferiority test."""
+def test(
+    before: Score, after: Score, elapsed: float, ratio: float | None = None, paired: bool = True
+) -> Verdict:
+    """One look of the sequential non-inferiority test. ``paired``: the control runs in
+    the same window (a canary), so both arms' variances count; otherwise the window before
+    the change is a fixed benchmark level (its requests are not added to), and only the
+    trial's variance counts: a benchmark of a few requests must not make the test
+    undecidable."""
     facts = (
         f"SLO attainment {before.attainment:.3f} ({before.requests:.0f} requests) -> "
         f"{after.attainment:.3f} ({after.requests:.0f})"
     )
     if ratio is not None and ratio > STEP_SLACK and elapsed >= MIN_SECONDS:
         return Verdict(True, False, f"step time at matched batch sizes {ratio:.2f}x the control's")
-    if min(before.requests, after.requests) < MIN_REQUESTS or elapsed < MIN_SECONDS:
+    if (
+        after.requests < MIN_REQUESTS
+        or (paired and before.requests < MIN_REQUESTS)
+        or elapsed < MIN_SECONDS
+    ):
         if elapsed >= MAX_SECONDS:
             return Verdict(True, False, f"{facts}: too few requests in {elapsed:.0f} s")
         return Verdict(False, False, f"{facts}: observing")
     diff = after.attainment - before.attainment
-    se = math.sqrt(_variance(before) + _variance(after))
+    se = math.sqrt((_variance(before) if paired else 0.0) + _variance(after))
     if diff - Z * se > -MARGIN:
         return Verdict(True, True, f"{facts}: no worse than {MARGIN:.0%} at {Z} standard errors")
     if diff + Z * se < -MARGIN:

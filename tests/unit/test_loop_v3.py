@@ -396,3 +396,14 @@ def test_a_canary_whose_steps_are_slower_at_matched_batch_fails():
 
 def test_within_builds_the_share_it_is_asked_for():
     assert verify.share_within(within(0.7, 0.1, 50), 0.1) == pytest.approx(0.7)
+
+
+def test_one_replica_tests_against_the_window_before_as_a_fixed_level():
+    # A kind run: 13 requests before the change, 356 after, all within the SLO. Paired, the
+    # 13 alone keep the bound under the margin for ever; as a benchmark level they do not.
+    before, after = score(1.0, 13), score(1.0, 356)
+    assert not verify.test(before, after, 605.0).passed
+    v = verify.test(before, after, 120.0, paired=False)
+    assert v.decided and v.passed
+    worse = verify.test(before, score(0.8, 356), 120.0, paired=False)
+    assert worse.decided and not worse.passed
