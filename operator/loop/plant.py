@@ -65,14 +65,7 @@ class StepModel:
         if self.updated is None or now <= self.updated:
             return replace(self, updated=now)
         f = 0.5 ** ((now - self.updated) / half_life)
-        return replace(
-            self,
-            xtx=tuple(v * f for v in self.xtx),
-            xty=tuple(v * f for v in self.xty),
-            yty=self.yty * f,
-            steps=self.steps * f,
-            updated=now,
-        )
+        return replace(self.forget(f), updated=now)
 
     def forget(self, keep: float) -> StepModel:
         """Keep ``keep`` of the evidence: after a change point the old plant is history."""
