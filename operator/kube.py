@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import math
 import os
 import threading
 import time
@@ -28,6 +30,23 @@ TIMEOUT = (10, 30)  # connect, read seconds
 # A kind the API server does not serve (KEDA not installed) is looked up again after this:
 # each miss costs the discovery client a full rediscovery.
 UNSERVED_RETRY_SECONDS = 60.0
+
+log = logging.getLogger("batchpilot.operator")
+
+
+def finite(value: Any, path: str = "") -> tuple[Any, list[str]]:
+    """``value`` with every infinite or NaN number replaced by None, and where they were.
+    JSON has no infinity: the API server refuses a whole patch that carries one, and a
+    status that cannot be written stops the loop's memory (a CI run lost 15 minutes)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, [path or "."]
+    if isinstance(value, dict):
+        pairs = {k: finite(v, f"{path}.{k}") for k, v in value.items()}
+        return {k: v for k, (v, _) in pairs.items()}, [p for _, ps in pairs.values() for p in ps]
+    if isinstance(value, list | tuple):
+        items = [finite(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [v for v, _ in items], [p for _, ps in items for p in ps]
+    return value, []
 
 
 def load_configuration() -> client.Configuration:
@@ -170,7 +189,11 @@ class Kube:
         return self.read(API_VERSION, KIND, namespace, name)
 
     def patch_isvc_status(self, namespace: str, name: str, status: dict) -> None:
-        """A merge patch of the status subresource: fields not named are kept."""
+        """A merge patch of the status subresource: fields not named are kept; a number
+        JSON cannot carry is written as null, and logged as the bug it is."""
+        status, bad = finite(status)
+        if bad:
+            log.error("status of %s/%s: not finite, written as null: %s", namespace, name, bad)
         self._call(
             "patch",
             self.resource(API_VERSION, KIND).status,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from dataclasses import dataclass
 
 from batchpilot.operator.crd.spec import InferenceServiceSpec
@@ -252,6 +253,8 @@ class ServiceSim:
         outcome = await self.loop.run_once(
             "sim", "service", self.spec, status, live, settings, admin_token="sim"
         )
+        # The API server refuses a patch JSON cannot carry (an infinity): so does the sim.
+        json.dumps(outcome.status_patch, allow_nan=False)
         status.update(outcome.status_patch)  # kopf merges the patch into status
         events = [(self.now, reason, message) for reason, message in outcome.events]
         result.events += events

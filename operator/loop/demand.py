@@ -121,8 +121,8 @@ class Demand:
             "outputTokensP95": round(self.output_p95, 1),
             "seconds": round(self.seconds, 1),
             "requests": round(self.requests, 1),
-            "promptHistogram": [[le, round(c, 2)] for le, c in self.prompt_hist],
-            "outputHistogram": [[le, round(c, 2)] for le, c in self.output_hist],
+            "promptHistogram": _hist_status(self.prompt_hist),
+            "outputHistogram": _hist_status(self.output_hist),
             "cusum": {
                 "rate": self.rate_cusum.to_status(),
                 "prompt": self.prompt_cusum.to_status(),
@@ -165,7 +165,13 @@ def _mixed(old, new, keep: float) -> tuple[tuple[float, float], ...]:
     return tuple(sorted((le, c) for le, c in total.items() if c > 1e-6))
 
 
+def _hist_status(hist) -> list[list]:
+    """[[upper bound, count], ...]; the last bucket's bound written "+Inf", as Prometheus
+    writes it (JSON has no infinity: a patch carrying one is refused whole)."""
+    return [[le if math.isfinite(le) else "+Inf", round(c, 2)] for le, c in hist]
+
+
 def _hist(value: object) -> tuple[tuple[float, float], ...]:
     if not isinstance(value, list):
         return ()
-    return tuple((float(le), float(c)) for le, c in value)
+    return tuple((float(le), float(c)) for le, c in value)  # float("+Inf") is inf

@@ -6,6 +6,7 @@ guardrails and the tuner's flows are in test_loop_laws.py and test_tuner_experim
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import replace
@@ -13,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from batchpilot.operator.kube import finite
 from batchpilot.operator.loop import verify
 from batchpilot.operator.loop.changes import Cusum
 from batchpilot.operator.loop.demand import Demand
@@ -194,6 +196,28 @@ def test_demand_sees_longer_prompts_and_is_ready_after_enough_observation():
         seen += changed
     assert seen == ["prompt length went up"]
     assert Demand.from_status(d.to_status()).prompt_mean == pytest.approx(d.prompt_mean, abs=0.1)
+
+
+
+def test_demand_with_the_servers_inf_bucket_writes_strict_json_and_reads_it_back():
+    # The server's token histograms end in +Inf, counted; a kind run's status patch
+    # carried that bound as Infinity and the API server refused every later patch.
+    buckets = ((128.0, 15.0), (1024.0, 18.0), (math.inf, 20.0))
+    w = replace(replica(finished=20, span=TURN), prompt_tokens_buckets=buckets,
+                output_tokens_buckets=buckets)  # fmt: skip
+    d, _ = Demand().ingest(w)
+    status = json.loads(json.dumps(d.to_status(), allow_nan=False))
+    assert status["promptHistogram"][-1] == ["+Inf", 2.0]
+    back = Demand.from_status(status)
+    assert back.prompt_hist == d.prompt_hist and math.isinf(back.prompt_hist[-1][0])
+
+
+def test_a_status_patch_writes_numbers_json_cannot_carry_as_null_and_names_them():
+    patch = {"a": {"b": [1.0, math.inf]}, "c": math.nan, "d": "+Inf", "e": 2}
+    clean, bad = finite(patch)
+    assert clean == {"a": {"b": [1.0, None]}, "c": None, "d": "+Inf", "e": 2}
+    assert bad == [".a.b[1]", ".c"]
+    json.dumps(clean, allow_nan=False)
 
 
 # --------------------------------------------------------------------------- model state
