@@ -103,6 +103,13 @@ def _config_arguments(run: argparse._ArgumentGroup) -> None:
         f"(default: each one's host on port 8001; ${env_var('admin_urls')})",
     )
     run.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="handle only the InferenceServices of shard I of N, by a hash of namespace/name "
+        f"(one Deployment per I, each with its own --peering; ${env_var('shard')})",
+    )
+    run.add_argument(
         "--liveness",
         nargs="?",
         const=DEFAULT_LIVENESS,

@@ -9,6 +9,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from batchpilot import __version__
+from batchpilot.operator.shard import SHARD_PATTERN, Shard
 
 SERVER_IMAGE_REPOSITORY = "ghcr.io/batchpilot/batchpilot-server"
 DEFAULT_SERVER_IMAGE = f"{SERVER_IMAGE_REPOSITORY}:{__version__}"
@@ -59,6 +60,15 @@ class OperatorConfig(BaseSettings):
     liveness: str | None = None
     """Serve /healthz (liveness) and /metrics (the operator's own metrics) at this URL's
     host and port, e.g. http://0.0.0.0:8080/healthz."""
+    shard: str | None = Field(None, pattern=SHARD_PATTERN)
+    """I/N: handle only the InferenceServices whose sha256("namespace/name") mod N is I
+    (shard.py); run one Deployment per I, each with its own peering. Unset: all."""
+
+    @field_validator("shard")
+    @classmethod
+    def _shard_in_range(cls, value: str | None) -> str | None:
+        Shard.parse(value)  # the index lies in 0..N-1
+        return value
 
     @field_validator("metrics_urls", "admin_urls", mode="before")
     @classmethod

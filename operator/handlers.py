@@ -21,7 +21,8 @@ from batchpilot.operator.crd.api import GROUP, PLURAL, VERSION
 from batchpilot.operator.kube import load_configuration
 from batchpilot.operator.loop.idle import WAKE_ANNOTATION
 from batchpilot.operator.loop.timer import LoopTimer, adapters_wanted, loop_wanted
-from batchpilot.operator.reconcile import Reconciler
+from batchpilot.operator.reconcile import Reconciler, controller_owner
+from batchpilot.operator.shard import Shard
 
 
 def plain(body: Any) -> dict:
@@ -85,8 +86,9 @@ def make_registry(
     registry = kopf.OperatorRegistry()
     rec = reconciler or Reconciler(config)
     _register_operator(registry, config)
-    _register_inference_services(registry, config, rec, timer or LoopTimer(config, rec))
-    _register_children(registry, rec)
+    shard = Shard.parse(config.shard)
+    _register_inference_services(registry, config, rec, timer or LoopTimer(config, rec), shard)
+    _register_children(registry, rec, shard)
     return registry
 
 
@@ -111,19 +113,31 @@ def _register_operator(registry: kopf.OperatorRegistry, config: OperatorConfig) 
 
 
 def _register_inference_services(
-    registry: kopf.OperatorRegistry, config: OperatorConfig, rec: Reconciler, timer: LoopTimer
+    registry: kopf.OperatorRegistry,
+    config: OperatorConfig,
+    rec: Reconciler,
+    timer: LoopTimer,
+    shard: Shard,
 ) -> None:
-    isvc = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+    """Every handler sees only this shard's services: another shard's get no finalizer,
+    no reconcile and no loop turn from this process."""
 
-    @kopf.on.resume(**isvc, id="reconcile", backoff=5)
-    @kopf.on.create(**isvc, id="reconcile", backoff=5)
-    @kopf.on.update(**isvc, id="reconcile", backoff=5)
+    def ours(namespace: str, name: str, **_: Any) -> bool:
+        return shard.owns(namespace, name)
+
+    isvc = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+    mine = dict(**isvc, when=ours)
+
+    @kopf.on.resume(**mine, id="reconcile", backoff=5)
+    @kopf.on.create(**mine, id="reconcile", backoff=5)
+    @kopf.on.update(**mine, id="reconcile", backoff=5)
     def on_change(namespace: str, name: str, logger: Any, **_: Any) -> None:
         rec.reconcile_by_name(namespace, name, logger)
 
     @kopf.timer(
         **isvc,
         id="resync",
+        when=ours,
         interval=config.reconcile_interval,
         initial_delay=config.reconcile_interval,
         backoff=5,
@@ -136,18 +150,28 @@ def _register_inference_services(
         id="loop",
         interval=config.loop_interval,
         backoff=config.loop_interval,
-        when=lambda spec, **_: loop_wanted(spec),
+        when=kopf.all_([ours, lambda spec, **_: loop_wanted(spec)]),
     )
     async def loop(body: kopf.Body, logger: Any, **_: Any) -> None:
         await timer.tick(plain(body), logger)
 
     # The activator's wake request runs a loop turn at once, not at the next timer tick: a
     # request is waiting on it.
-    @kopf.on.field(**isvc, id="wake", field=("metadata", "annotations", WAKE_ANNOTATION))
+    @kopf.on.field(**mine, id="wake", field=("metadata", "annotations", WAKE_ANNOTATION))
     async def wake(body: kopf.Body, new: Any, logger: Any, **_: Any) -> None:
         if new:
             await timer.tick(plain(body), logger)
 
+    _register_adapters(isvc, mine, ours, config, timer)
+
+    # optional: no finalizer of its own (the timers' one is there anyway).
+    @kopf.on.delete(**mine, id="forget", optional=True)
+    def forget(namespace: str, name: str, **_: Any) -> None:
+        timer.forget(namespace, name)
+
+
+def _register_adapters(isvc: dict, mine: dict, ours: Any, config: OperatorConfig,
+                       timer: LoopTimer) -> None:  # fmt: skip
     # Adapters load into each Ready replica through its admin API, whatever the loop does;
     # a change of spec.adapters runs a turn at once.
     @kopf.timer(
@@ -155,32 +179,29 @@ def _register_inference_services(
         id="adapters",
         interval=config.loop_interval,
         backoff=config.loop_interval,
-        when=lambda spec, status, **_: adapters_wanted(spec, status),
+        when=kopf.all_([ours, lambda spec, status, **_: adapters_wanted(spec, status)]),
     )
     async def adapters(body: kopf.Body, logger: Any, **_: Any) -> None:
         await timer.sync_adapters(plain(body), logger)
 
-    @kopf.on.field(**isvc, id="adapters-changed", field=("spec", "adapters"))
+    @kopf.on.field(**mine, id="adapters-changed", field=("spec", "adapters"))
     async def adapters_changed(body: kopf.Body, logger: Any, **_: Any) -> None:
         await timer.sync_adapters(plain(body), logger)
 
-    # optional: no finalizer of its own (the timers' one is there anyway).
-    @kopf.on.delete(**isvc, id="forget", optional=True)
-    def forget(namespace: str, name: str, **_: Any) -> None:
-        timer.forget(namespace, name)
 
+def _register_children(registry: kopf.OperatorRegistry, rec: Reconciler, shard: Shard) -> None:
+    def ours(body: kopf.Body, **_: Any) -> bool:
+        owner = controller_owner(body)
+        return owner is not None and shard.owns(*owner)
 
-def _register_children(registry: kopf.OperatorRegistry, rec: Reconciler) -> None:
-    managed = {LABEL_MANAGED_BY: MANAGED_BY}
+    child = dict(labels={LABEL_MANAGED_BY: MANAGED_BY}, registry=registry, when=ours)
 
-    @kopf.on.event("apps", "v1", "deployments", id="deployment", labels=managed, registry=registry)
+    @kopf.on.event("apps", "v1", "deployments", id="deployment", **child)
     def deployment_event(event: dict, body: kopf.Body, logger: Any, **_: Any) -> None:
         rec.on_deployment_event(event.get("type"), plain(body), logger)
 
-    @kopf.on.event("", "v1", "services", id="child", labels=managed, registry=registry)
-    @kopf.on.event("", "v1", "configmaps", id="child", labels=managed, registry=registry)
-    @kopf.on.event(
-        "policy", "v1", "poddisruptionbudgets", id="child", labels=managed, registry=registry
-    )
+    @kopf.on.event("", "v1", "services", id="child", **child)
+    @kopf.on.event("", "v1", "configmaps", id="child", **child)
+    @kopf.on.event("policy", "v1", "poddisruptionbudgets", id="child", **child)
     def child_event(event: dict, body: kopf.Body, logger: Any, **_: Any) -> None:
         rec.on_child_event(event.get("type"), plain(body), logger)

@@ -55,7 +55,7 @@ _PERMANENT_APPLY_STATUSES = {
 }
 
 
-def _controller_owner(body: Mapping) -> tuple[str, str] | None:
+def controller_owner(body: Mapping) -> tuple[str, str] | None:
     """(namespace, name) of the InferenceService controlling this child, if any."""
     for ref in body.get("metadata", {}).get("ownerReferences") or []:
         ours = ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP + "/")
@@ -127,7 +127,7 @@ class Reconciler:
         self._applied_generation.pop((namespace, name), None)
         self._to_activator.pop((namespace, name), None)
         for key in [k for k in self._desired if k[0] == namespace]:
-            if _controller_owner(self._desired[key]) == (namespace, name):
+            if controller_owner(self._desired[key]) == (namespace, name):
                 del self._desired[key]
 
     def _reconcile(self, body: dict, logger) -> None:
@@ -367,7 +367,7 @@ class Reconciler:
     # ------------------------------------------------------------------ child events
 
     def on_deployment_event(self, event_type: str | None, dep: dict, logger=log) -> None:
-        owner = _controller_owner(dep)
+        owner = controller_owner(dep)
         if owner is None:
             return
         ns, name = owner
@@ -423,7 +423,7 @@ class Reconciler:
             self.kube.patch_isvc_status(ns, name, new)
 
     def on_child_event(self, event_type: str | None, child: dict, logger=log) -> None:
-        owner = _controller_owner(child)
+        owner = controller_owner(child)
         if owner is None or event_type not in ("DELETED", "MODIFIED"):
             return
         meta = child["metadata"]

@@ -6,15 +6,10 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,15 +20,17 @@ from batchpilot.operator.crd.api import GROUP, PLURAL, VERSION
 from batchpilot.operator.kube import Kube, new_api_client
 from batchpilot.operator.reconcile import Reconciler
 from tests.support.cluster import (
-    ADMIN_KEY,
     IMAGE,
     INTERVAL,
+    PROCESS_TIMEOUT,
     ROOT,
     Api,
     config,
     install_crds,
     not_found,
     operator,
+    start_operator_process,
+    stop_process,
 )
 from tests.support.wait import wait_for
 
@@ -561,35 +558,6 @@ def test_operator_restart_mid_reconcile_converges_without_duplicates(api, kubeco
 # --------------------------------------------------------------------------- the CLI
 
 
-def _start_cli(k8s, namespace: str, *extra: str, log: Path) -> subprocess.Popen:
-    env = {
-        **k8s.env,
-        "BATCHPILOT_SERVER_IMAGE": "env/image:1",
-        "BATCHPILOT_RECONCILE_INTERVAL": str(INTERVAL),
-        "BATCHPILOT_ADMIN_KEY": ADMIN_KEY,  # one key for both replicas, as the chart gives
-        "PYTHONUNBUFFERED": "1",
-    }
-    argv = [sys.executable, "-m", "batchpilot", "operator", "-n", namespace, *extra]
-    return subprocess.Popen(
-        argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
-
-
-# Two operator processes start, peer and hand over on a machine that the rest of the suite
-# keeps busy: 17 s alone, but a 60 s wait for one step failed once in a full CI run.
-PROCESS_TIMEOUT = 180
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
 @pytest.fixture
 def free_port() -> int:
     from batchpilot.server.bench.server_process import free_port as pick
@@ -611,7 +579,7 @@ def test_cli_process_json_logs_liveness_and_standby_failover(api, k8s, tmp_path,
     liveness = f"http://127.0.0.1:{free_port}/healthz"
     active_log, standby_log = tmp_path / "active.log", tmp_path / "standby.log"
     peering = ("--peering", "batchpilot")
-    active = _start_cli(
+    active = start_operator_process(
         k8s, api.ns, *peering, "--priority", "100", "--liveness", liveness, log=active_log
     )
     standby = None
@@ -629,7 +597,7 @@ def test_cli_process_json_logs_liveness_and_standby_failover(api, k8s, tmp_path,
             timeout=PROCESS_TIMEOUT,
             not_yet=not_found,
         )
-        standby = _start_cli(k8s, api.ns, *peering, "--priority", "10", log=standby_log)
+        standby = start_operator_process(k8s, api.ns, *peering, "--priority", "10", log=standby_log)
         wait_for(
             "both replicas in the peering",
             lambda: peers() == 2,
@@ -646,7 +614,7 @@ def test_cli_process_json_logs_liveness_and_standby_failover(api, k8s, tmp_path,
         assert st["image"] == "env/image:1"  # BATCHPILOT_SERVER_IMAGE
         assert "Applied generation" not in standby_log.read_text()
 
-        _stop(active)  # it leaves the peering on SIGTERM: the standby resumes at once
+        stop_process(active)  # it leaves the peering on SIGTERM: the standby resumes at once
         wait_for(
             "the standby to take over",
             lambda: "Resuming operations" in standby_log.read_text(),
@@ -679,9 +647,9 @@ def test_cli_process_json_logs_liveness_and_standby_failover(api, k8s, tmp_path,
         ]
         raise AssertionError(f"{e}\n" + "\n".join(logs)) from None
     finally:
-        _stop(active)
+        stop_process(active)
         if standby is not None:
-            _stop(standby)
+            stop_process(standby)
     for log, generation in ((active_log, 1), (standby_log, 2)):
         lines = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
         assert lines and all({"message", "severity", "timestamp"} <= set(x) for x in lines)

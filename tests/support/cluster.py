@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -218,3 +222,34 @@ def loop_operator(
         finally:
             _delete_all(api)
     assert runner.exception is None, runner.output
+
+
+def start_operator_process(k8s, namespace: str, *extra: str, log: Path) -> subprocess.Popen:
+    """`python -m batchpilot operator -n NAMESPACE EXTRA...` as its own process group,
+    its output in ``log``."""
+    env = {
+        **k8s.env,
+        "BATCHPILOT_SERVER_IMAGE": "env/image:1",
+        "BATCHPILOT_RECONCILE_INTERVAL": str(INTERVAL),
+        "BATCHPILOT_ADMIN_KEY": ADMIN_KEY,  # one key for both replicas, as the chart gives
+        "PYTHONUNBUFFERED": "1",
+    }
+    argv = [sys.executable, "-m", "batchpilot", "operator", "-n", namespace, *extra]
+    return subprocess.Popen(
+        argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+# Two operator processes start, peer and hand over on a machine that the rest of the suite
+# keeps busy: 17 s alone, but a 60 s wait for one step failed once in a full CI run.
+PROCESS_TIMEOUT = 180
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
