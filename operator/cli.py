@@ -132,6 +132,14 @@ def _kopf_arguments(run: argparse._ArgumentGroup) -> None:
         "the highest priority runs, the others stand by",
     )
     run.add_argument(
+        "--peering-lifetime",
+        type=int,
+        default=None,
+        metavar="SECONDS",
+        help="how long a standby waits for a replica that died without leaving "
+        f"(${env_var('peering_lifetime')}; default 20)",
+    )
+    run.add_argument(
         "--priority",
         type=int,
         default=None,

@@ -60,6 +60,7 @@ def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) 
     settings.posting.reporting_component = FIELD_MANAGER
     settings.execution.max_workers = 16
     settings.peering.stealth = True
+    settings.peering.lifetime = config.peering_lifetime
 
 
 def connection_info(c: Any, settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:

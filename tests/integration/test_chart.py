@@ -30,6 +30,7 @@ from batchpilot.operator.children.service import SLICE_SERVICE_NAME, activator_o
 from batchpilot.operator.config import OperatorConfig
 from batchpilot.operator.crd.api import GROUP, PLURAL, VERSION
 from batchpilot.operator.loop.idle import WAKE_ANNOTATION
+from tests.support.cluster import install_crds
 from tests.support.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,6 +147,7 @@ def test_rendered_manifests_pass_server_side_validation(k8s, namespace, values):
     validation): created for real in a fresh namespace, the test-hook Pod as a dry run once
     its ServiceAccount exists. The ServiceMonitor (a prometheus-operator CRD this cluster
     does not serve) is checked structurally instead."""
+    install_crds(k8s)  # the KopfPeering kinds, as helm installs the chart's crds/ first
     release = f"v-{uuid.uuid4().hex[:6]}"
     docs = render(k8s, "-f", str(values), release=release, namespace=namespace)
     kinds = {d["kind"] for d in docs}
@@ -185,7 +187,9 @@ def test_deployment_hardening_and_args(k8s):
     docs = render(k8s)
     dep = named(docs, "Deployment")
     spec = dep["spec"]
-    assert spec["strategy"]["type"] == "Recreate"
+    # Two replicas peered through the ClusterKopfPeering the chart makes: rolled one by one.
+    assert spec["replicas"] == 2 and spec["strategy"]["type"] == "RollingUpdate"
+    assert named(docs, "ClusterKopfPeering")["metadata"]["name"] == FULLNAME
     pod = spec["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     (c,) = pod["containers"]
@@ -195,13 +199,23 @@ def test_deployment_hardening_and_args(k8s):
     assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["resources"]["requests"] and c["resources"]["limits"]
-    assert "--all-namespaces" in c["args"] and "--standalone" in c["args"]
+    assert "--all-namespaces" in c["args"] and f"--peering={FULLNAME}" in c["args"]
+    assert "--peering-lifetime=20" in c["args"] and "--standalone" not in c["args"]
     assert "--loop-interval=15" in c["args"]
     docs = render(k8s, "--set", "watchNamespaces={a,b}", "--set", "serverImage.repository=s")
     (c,) = named(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert "--namespace=a" in c["args"] and "--namespace=b" in c["args"]
+    peerings = [d for d in docs if d["kind"] == "KopfPeering"]
+    assert sorted(d["metadata"]["namespace"] for d in peerings) == ["a", "b"]
+    assert not [d for d in docs if d["kind"] == "ClusterKopfPeering"]
     assert f"--server-image=s:{batchpilot.__version__}" in c["args"]
     assert "--all-namespaces" not in c["args"]
+    # One replica: standalone, replaced by Recreate, no peering object.
+    docs = render(k8s, "--set", "operator.replicas=1")
+    dep = named(docs, "Deployment")
+    assert dep["spec"]["strategy"]["type"] == "Recreate"
+    assert "--standalone" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [d for d in docs if d["kind"].endswith("KopfPeering")]
 
 
 def test_operator_pod_meets_the_restricted_pod_security_standard(k8s):

@@ -13,46 +13,24 @@ operator derives for its InferenceService, so it starts once that object exists.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
-
 import httpx
 import pytest
 from kubernetes import client
 
 from batchpilot import names
 from batchpilot.server.bench.server_process import free_port
-from tests.support.cluster import LOOP_TIMEOUT, MODEL, Api, loop_operator, not_found, server, start
-from tests.support.servers import ServerProcess
+from tests.support.cluster import (
+    LOOP_TIMEOUT,
+    Api,
+    load,
+    loop_operator,
+    not_found,
+    server,
+    start,
+)
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.cluster
-
-
-@contextlib.contextmanager
-def load(server: ServerProcess, workers: int, max_tokens: int) -> Iterator[None]:
-    """Closed-loop clients, each sending the next completion when the last one ends."""
-    stop = threading.Event()
-
-    def work() -> None:
-        with httpx.Client(base_url=server.url, timeout=120) as http:
-            while not stop.is_set():
-                with contextlib.suppress(httpx.HTTPError):
-                    http.post("/v1/completions", json={
-                        "model": MODEL, "prompt": "Count slowly: one two three",
-                        "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-                    })  # fmt: skip
-
-    threads = [threading.Thread(target=work, daemon=True) for _ in range(workers)]
-    for t in threads:
-        t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(150)
 
 
 def history(api: Api, name: str) -> list[dict]:

@@ -67,9 +67,11 @@ def test_two_shards_reconcile_each_service_exactly_once(api, k8s, tmp_path):
             api.delete(name)
         wait_for(
             "every service deleted through its shard's finalizer",
-            lambda: not api.custom.list_namespaced_custom_object(GROUP, VERSION, api.ns, PLURAL)[
-                "items"
-            ],
+            lambda: (
+                not api.custom.list_namespaced_custom_object(GROUP, VERSION, api.ns, PLURAL)[
+                    "items"
+                ]
+            ),
             PROCESS_TIMEOUT,
             not_yet=not_found,
         )

@@ -12,10 +12,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 from kopf.testing import KopfRunner
 from kubernetes import client
 
@@ -224,15 +226,18 @@ def loop_operator(
     assert runner.exception is None, runner.output
 
 
-def start_operator_process(k8s, namespace: str, *extra: str, log: Path) -> subprocess.Popen:
+def start_operator_process(
+    k8s, namespace: str, *extra: str, log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """`python -m batchpilot operator -n NAMESPACE EXTRA...` as its own process group,
-    its output in ``log``."""
+    its output in ``log``; ``env`` adds to (or overrides) the environment."""
     env = {
         **k8s.env,
         "BATCHPILOT_SERVER_IMAGE": "env/image:1",
         "BATCHPILOT_RECONCILE_INTERVAL": str(INTERVAL),
         "BATCHPILOT_ADMIN_KEY": ADMIN_KEY,  # one key for both replicas, as the chart gives
         "PYTHONUNBUFFERED": "1",
+        **(env or {}),
     }
     argv = [sys.executable, "-m", "batchpilot", "operator", "-n", namespace, *extra]
     return subprocess.Popen(
@@ -253,3 +258,28 @@ def stop_process(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+@contextlib.contextmanager
+def load(server: ServerProcess, workers: int, max_tokens: int) -> Iterator[None]:
+    """Closed-loop clients, each sending the next completion when the last one ends."""
+    stop = threading.Event()
+
+    def work() -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            while not stop.is_set():
+                with contextlib.suppress(httpx.HTTPError):
+                    http.post("/v1/completions", json={
+                        "model": MODEL, "prompt": "Count slowly: one two three",
+                        "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+                    })  # fmt: skip
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(150)

@@ -162,6 +162,11 @@ def install_operator(kind: Kind) -> None:
         "operator.logFormat=plain",
         "--set",
         "operator.reconcileInterval=10",
+        # One replica: the fault tests kill "the operator" and the reports read its log; the
+        # chart's two peered replicas are tested in the cluster tier (test_chart.py,
+        # test_operator_cluster.py's failover).
+        "--set",
+        "operator.replicas=1",
         "--wait",
         "--timeout",
         "300s",

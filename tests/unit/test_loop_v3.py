@@ -198,7 +198,6 @@ def test_demand_sees_longer_prompts_and_is_ready_after_enough_observation():
     assert Demand.from_status(d.to_status()).prompt_mean == pytest.approx(d.prompt_mean, abs=0.1)
 
 
-
 def test_demand_with_the_servers_inf_bucket_writes_strict_json_and_reads_it_back():
     # The server's token histograms end in +Inf, counted; a kind run's status patch
     # carried that bound as Infinity and the API server refused every later patch.

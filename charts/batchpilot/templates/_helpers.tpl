@@ -53,3 +53,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- toYaml $rules -}}
 {{- end -}}
+
+{{/* The KopfPeering the operator's replicas share; empty: standalone. */}}
+{{- define "batchpilot.peering" -}}
+{{- if .Values.operator.peering -}}
+{{- .Values.operator.peering -}}
+{{- else if gt (int .Values.operator.replicas) 1 -}}
+{{- include "batchpilot.fullname" . -}}
+{{- end -}}
+{{- end -}}
