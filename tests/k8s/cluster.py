@@ -322,6 +322,7 @@ class Cluster:
       node_names  names of the fake (kwok) nodes
       run_kubectl(*args, check=True, input=None, timeout=120) -> CompletedProcess[str]
       run_helm(*args, check=True, timeout=300) -> CompletedProcess[str]
+      restart(component_name)  stop and start one component (its flags kept)
     """
 
     workdir: Path
@@ -388,6 +389,16 @@ class Cluster:
     def request(self, path: str, method: str = "GET", body: Any = None) -> tuple[int, Any]:
         """A raw authenticated HTTPS request to the apiserver (status, parsed JSON or text)."""
         return _https(self.server + path, self.ca_file, self.token, method=method, body=body)
+
+    def restart(self, name: str, timeout: float = 60) -> None:
+        """Stop one component (SIGTERM) and start it again with the same flags; its state
+        is in etcd. After kube-apiserver, wait until it is ready again."""
+        comp = next(c for c in self.components if c.name == name)
+        comp.stop()
+        comp.start(self.env)
+        if name == "kube-apiserver":
+            _wait_for("kube-apiserver /readyz", lambda: self.request("/readyz")[0] == 200,
+                      timeout, [comp])  # fmt: skip
 
     def stop(self) -> None:
         """Terminate every component (SIGTERM, then SIGKILL) and, unless `keep`, remove the

@@ -1,0 +1,87 @@
+"""The operator through a kube-apiserver restart, on a control plane of its own (the
+session's shared one must not go down under other tests): services created before, during
+and after the restart all converge, none twice, no child is deleted or recreated, and the
+operator process lives through it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from tests.k8s import cluster as k8s_cluster
+from tests.support.cluster import (
+    PROCESS_TIMEOUT,
+    Api,
+    install_crds,
+    not_found,
+    start_operator_process,
+    stop_process,
+)
+from tests.support.wait import wait_for
+
+pytestmark = pytest.mark.cluster
+
+NAMESPACE = "restart"
+BEFORE, AFTER = [f"before-{i}" for i in range(12)], [f"after-{i}" for i in range(6)]
+
+
+def deployments(api: Api) -> dict[str, str]:
+    """name -> uid of the operator's Deployments in the namespace."""
+    items = api.apps.list_namespaced_deployment(api.ns).items
+    return {d.metadata.name: d.metadata.uid for d in items}
+
+
+def resynced(log: Path, offset: int) -> set[str]:
+    """The services whose resync timer succeeded in the log past ``offset`` (JSON lines)."""
+    names = set()
+    for line in log.read_text()[offset:].splitlines():
+        if line.startswith("{") and "Timer 'resync' succeeded" in line:
+            names.add(json.loads(line)["object"]["name"])
+    return names
+
+
+def all_ready(api: Api, names: list[str]) -> bool:
+    return all(api.ready(n) for n in names)
+
+
+def test_services_converge_through_an_api_server_restart_with_nothing_recreated(tmp_path: Path):
+    k8s = k8s_cluster.start_cluster()
+    log = tmp_path / "operator.log"
+    operator = None
+    try:
+        install_crds(k8s)
+        client.CoreV1Api(k8s.api).create_namespace({"metadata": {"name": NAMESPACE}})
+        api = Api(k8s, NAMESPACE)
+        operator = start_operator_process(k8s, NAMESPACE, "--standalone", log=log)
+        for name in BEFORE:
+            api.create(name, {})
+        # Mid-reconcile: some children exist, some not yet; watches and requests break.
+        created = deployments(api)
+        k8s.restart("kube-apiserver")
+        for name in AFTER:
+            api.create(name, {})
+        wait_for("every service Ready", lambda: all_ready(api, BEFORE + AFTER),
+                 PROCESS_TIMEOUT, not_yet=not_found)  # fmt: skip
+        converged = deployments(api)
+        assert sorted(converged) == sorted(BEFORE + AFTER)
+        # What existed before the restart is the same object after it.
+        assert {n: converged[n] for n in created} == created
+        # A restart in the steady state: every service is reconciled again after it (its
+        # resync timer), and every child stays as it is.
+        k8s.restart("kube-apiserver")
+        offset = len(log.read_text())
+        wait_for("a resync of every service after the restart",
+                 lambda: resynced(log, offset) >= set(BEFORE + AFTER), PROCESS_TIMEOUT,
+                 not_yet=not_found)  # fmt: skip
+        assert all_ready(api, BEFORE + AFTER)
+        assert deployments(api) == converged
+        assert operator.poll() is None, log.read_text()[-3000:]
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n--- operator log\n{log.read_text()[-4000:]}") from None
+    finally:
+        if operator is not None:
+            stop_process(operator)
+        k8s.stop()
