@@ -26,7 +26,8 @@ def check_model(ctx: ServerContext, requested: str | None) -> tuple[str, str | N
         return ctx.served_model_name, None
     if requested in ctx.loras:
         return requested, requested
-    raise APIError(400, f"The model `{requested}` does not exist.", "model")
+    # vLLM answers an unknown model (or adapter) 404 NotFoundError, param "model".
+    raise APIError(404, f"The model `{requested}` does not exist.", "model")
 
 
 def require_engine(ctx: ServerContext) -> None:

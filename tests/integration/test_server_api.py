@@ -196,7 +196,6 @@ def long_stream(
 
 BAD_BODIES = {
     "malformed json": (b'{"prompt": "hi", "max_tokens": ', None),
-    "unknown model": ({"model": "gpt-nope", "prompt": "hi"}, "model"),
     "max_tokens 0": ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     "max_tokens negative": ({"prompt": "hi", "max_tokens": -5}, "max_tokens"),
     "temperature < 0": ({"prompt": "hi", "temperature": -0.5}, "temperature"),
@@ -238,6 +237,13 @@ def test_bad_input_gets_clear_errors_and_running_requests_are_unaffected(server)
     for name, (body, param) in BAD_BODIES.items():
         error = assert_openai_error(post(server, "/v1/completions", body), 400, param)
         assert name and error["message"]
+    # An unknown model is vLLM's 404 NotFoundError (the openai client's NotFoundError).
+    unknown = post(server, "/v1/completions", {"model": "gpt-nope", "prompt": "hi"})
+    error = assert_openai_error(unknown, 404, "model")
+    assert error == {"message": "The model `gpt-nope` does not exist.", "type": "NotFoundError",
+                     "param": "model", "code": 404}  # fmt: skip
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        server.client().completions.create(model="gpt-nope", prompt="hi", max_tokens=1)
     chat_bad = {"messages": [], "max_tokens": 3}
     assert_openai_error(post(server, "/v1/chat/completions", chat_bad), 400, "messages")
     chat_bad = {"messages": [{"role": "wizard", "content": "x"}]}

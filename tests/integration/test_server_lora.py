@@ -137,7 +137,10 @@ def test_models_list_adapters_by_name_and_parent_never_their_paths(server, paths
 def test_unknown_model_and_unknown_adapter(server):
     with httpx.Client(base_url=server.url) as http:
         r = http.post("/v1/completions", json={"model": "nope", "prompt": "hi"})
-        assert assert_error(r, 400) == "The model `nope` does not exist."
+        # vLLM's shape for an unknown model, word for word.
+        assert r.status_code == 404 and r.json() == {"error": {
+            "message": "The model `nope` does not exist.", "type": "NotFoundError",
+            "param": "model", "code": 404}}  # fmt: skip
         # The runtime routes are the admin port's only.
         assert_error(http.post("/v1/load_lora_adapter", json={}), 404)
     message = assert_error(admin_post(server, "unload_lora_adapter", {"lora_name": "nope"}), 404)
@@ -178,7 +181,7 @@ def test_load_and_unload_over_the_admin_port(server, paths, expected):
     r = admin_post(server, "unload_lora_adapter", {"lora_name": "late"})
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'late' removed successfully."
     assert_error(httpx.post(f"{server.url}/v1/completions",
-                            json={"model": "late", "prompt": "hi"}), 400)  # fmt: skip
+                            json={"model": "late", "prompt": "hi"}), 404)  # fmt: skip
     assert lora_info(server) == {"max_lora": "2", "running_lora_adapters": "",
                                  "waiting_lora_adapters": ""}  # fmt: skip
     assert tokens_of(complete(server, MODEL)) == expected(MODEL)  # the base model unharmed
@@ -214,7 +217,7 @@ def test_preloaded_adapters_that_cannot_load_are_left_out_and_the_rest_serve(
         for name in ("corrupt", "mismatch", "gone"):
             r = httpx.post(f"{proc.url}/v1/completions", timeout=60,
                            json={"model": name, "prompt": PROMPT, "max_tokens": 2})  # fmt: skip
-            assert assert_error(r, 400) == f"The model `{name}` does not exist."
+            assert assert_error(r, 404) == f"The model `{name}` does not exist."
             assert f"LoRA adapter {name} from" in proc.log(), name
     finally:
         proc.stop()
