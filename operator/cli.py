@@ -20,6 +20,9 @@ from pydantic import ValidationError
 from batchpilot.operator.config import DEFAULT_SERVER_IMAGE, OperatorConfig, describe, env_var
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
+# How long a start waits for the API server to serve what the operator watches; then it
+# exits 1 and its Deployment restarts it.
+SERVED_TIMEOUT_SECONDS = 300.0
 
 
 def _url_list(text: str) -> list[str]:
@@ -186,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from batchpilot.operator.handlers import make_registry
+    from batchpilot.operator.handlers import WATCHED_KINDS, make_registry
+    from batchpilot.operator.kube import wait_until_served
 
     try:
         config = config_from_args(args)
@@ -203,6 +207,11 @@ def run(args: argparse.Namespace) -> int:
         }[args.log_format],
         log_refkey="object" if args.log_format == "json" else None,
     )
+    try:
+        wait_until_served(WATCHED_KINDS, timeout=SERVED_TIMEOUT_SECONDS)
+    except RuntimeError as e:
+        print(f"batchpilot operator: {e}", file=sys.stderr)
+        return 1
     settings = kopf.OperatorSettings()
     if args.peering:
         settings.peering.mandatory = True

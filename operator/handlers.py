@@ -17,7 +17,7 @@ import kopf
 from batchpilot.operator import probes
 from batchpilot.operator.children.meta import LABEL_MANAGED_BY, MANAGED_BY, MANAGED_SELECTOR
 from batchpilot.operator.config import FIELD_MANAGER, FINALIZER, OperatorConfig
-from batchpilot.operator.crd.api import GROUP, PLURAL, VERSION
+from batchpilot.operator.crd.api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from batchpilot.operator.kube import load_configuration
 from batchpilot.operator.loop.idle import WAKE_ANNOTATION
 from batchpilot.operator.loop.timer import LoopTimer, adapters_wanted, loop_wanted
@@ -30,6 +30,16 @@ def plain(body: Any) -> dict:
     return json.loads(
         json.dumps(body, default=lambda o: dict(o) if isinstance(o, Mapping) else str(o))
     )
+
+
+# What the handlers watch: served before kopf starts (kube.wait_until_served).
+WATCHED_KINDS = [
+    (API_VERSION, KIND),
+    ("apps/v1", "Deployment"),
+    ("v1", "Service"),
+    ("v1", "ConfigMap"),
+    ("policy/v1", "PodDisruptionBudget"),
+]
 
 
 def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:

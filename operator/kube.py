@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import kopf
+import urllib3
 from kubernetes import client, config, dynamic
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
@@ -66,6 +67,26 @@ def load_configuration() -> client.Configuration:
 
 def new_api_client() -> client.ApiClient:
     return client.ApiClient(load_configuration())
+
+
+def wait_until_served(kinds: list[tuple[str, str]], timeout: float) -> None:
+    """Block until the API server's discovery lists every (apiVersion, kind). Kopf looks
+    its resources up once, at start: an operator started while kube-apiserver restarted
+    got an incomplete discovery and watched nothing, for good (a cluster test saw it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            kube = Kube(new_api_client())  # a fresh discovery each try
+            missing = [f"{kind} ({version})" for version, kind in kinds
+                       if not kube.serves(version, kind)]  # fmt: skip
+        except (ApiException, OSError, urllib3.exceptions.HTTPError) as e:
+            missing = [f"discovery: {clip(str(e))}"]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"after {timeout:.0f} s the API server does not serve {missing}")
+        log.warning("waiting for the API server to serve %s", ", ".join(missing))
+        time.sleep(2)  # a retry's pause, not a test's wait
 
 
 class Kube:

@@ -404,6 +404,10 @@ class Reconciler:
             return
         if not ownership.controlled_by(dep, Owner.from_body(body)):
             return  # an earlier object's of that name, being garbage-collected
+        # The Deployment as it is now, not as the event saw it: on a busy operator an event
+        # can be handled after a reconcile wrote a newer status, and its older counts would
+        # take Ready and the replica counts back (a loaded test run saw both).
+        dep = self.kube.read("apps/v1", "Deployment", ns, dep["metadata"]["name"]) or dep
         prev = body.get("status") or {}
         # The generation last reconciled, not the object's: an edit not yet applied must not
         # read as observed (nor lose its reconcile's "Applied" event).

@@ -1,7 +1,7 @@
-"""The operator through a kube-apiserver restart, on a control plane of its own (the
-session's shared one must not go down under other tests): services created before, during
-and after the restart all converge, none twice, no child is deleted or recreated, and the
-operator process lives through it."""
+"""The operator through kube-apiserver outages, on a control plane of its own (the
+session's shared one must not go down under other tests): started while the API server is
+down, it waits and then serves; services created before, during and after a restart all
+converge, none twice, no child is deleted or recreated, and the process lives through it."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def all_ready(api: Api, names: list[str]) -> bool:
     return all(api.ready(n) for n in names)
 
 
-def test_services_converge_through_an_api_server_restart_with_nothing_recreated(tmp_path: Path):
+def test_the_operator_converges_through_api_server_restarts_with_nothing_recreated(tmp_path: Path):
     k8s = k8s_cluster.start_cluster()
     log = tmp_path / "operator.log"
     operator = None
@@ -55,8 +55,18 @@ def test_services_converge_through_an_api_server_restart_with_nothing_recreated(
         install_crds(k8s)
         client.CoreV1Api(k8s.api).create_namespace({"metadata": {"name": NAMESPACE}})
         api = Api(k8s, NAMESPACE)
+        # The operator starts while kube-apiserver is down: it waits for it to serve what
+        # the operator watches (kopf would otherwise keep an incomplete discovery).
+        k8s.component("kube-apiserver").stop()
         operator = start_operator_process(k8s, NAMESPACE, "--standalone", log=log)
-        for name in BEFORE:
+        wait_for("the operator to wait for the API server",
+                 lambda: "waiting for the API server" in log.read_text(), PROCESS_TIMEOUT,
+                 not_yet=not_found)  # fmt: skip
+        k8s.start_component("kube-apiserver")
+        api.create(BEFORE[0], {})
+        wait_for("the first service Ready", lambda: api.ready(BEFORE[0]), PROCESS_TIMEOUT,
+                 not_yet=not_found)  # fmt: skip
+        for name in BEFORE[1:]:
             api.create(name, {})
         # Mid-reconcile: some children exist, some not yet; watches and requests break.
         created = deployments(api)

@@ -322,7 +322,8 @@ class Cluster:
       node_names  names of the fake (kwok) nodes
       run_kubectl(*args, check=True, input=None, timeout=120) -> CompletedProcess[str]
       run_helm(*args, check=True, timeout=300) -> CompletedProcess[str]
-      restart(component_name)  stop and start one component (its flags kept)
+      component(name).stop(), start_component(name), restart(name): one component
+      stopped, started again with its flags, or both
     """
 
     workdir: Path
@@ -390,15 +391,22 @@ class Cluster:
         """A raw authenticated HTTPS request to the apiserver (status, parsed JSON or text)."""
         return _https(self.server + path, self.ca_file, self.token, method=method, body=body)
 
-    def restart(self, name: str, timeout: float = 60) -> None:
-        """Stop one component (SIGTERM) and start it again with the same flags; its state
-        is in etcd. After kube-apiserver, wait until it is ready again."""
-        comp = next(c for c in self.components if c.name == name)
-        comp.stop()
+    def component(self, name: str) -> Component:
+        return next(c for c in self.components if c.name == name)
+
+    def start_component(self, name: str, timeout: float = 60) -> None:
+        """Start a stopped component again with its flags (its state is in etcd); after
+        kube-apiserver, wait until it is ready."""
+        comp = self.component(name)
         comp.start(self.env)
         if name == "kube-apiserver":
             _wait_for("kube-apiserver /readyz", lambda: self.request("/readyz")[0] == 200,
                       timeout, [comp])  # fmt: skip
+
+    def restart(self, name: str, timeout: float = 60) -> None:
+        """Stop one component (SIGTERM) and start it again."""
+        self.component(name).stop()
+        self.start_component(name, timeout)
 
     def stop(self) -> None:
         """Terminate every component (SIGTERM, then SIGKILL) and, unless `keep`, remove the

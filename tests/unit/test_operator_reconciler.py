@@ -315,6 +315,7 @@ def test_deployment_events(kube, rec):
         "readyReplicas": 1,
         "availableReplicas": 1,
     }
+    kube.objects[("Deployment", NS, "chat")] = copy.deepcopy(dep)  # the API has what it reports
     kube.calls.clear()
     rec.on_deployment_event("MODIFIED", dep)
     assert [c for c in kube.calls if c[0] == "apply"] == []  # a status change: no re-apply
@@ -345,6 +346,7 @@ def test_deployment_event_before_an_edit_is_reconciled_keeps_the_observed_genera
     rec.reconcile(kube.add_isvc("chat", {}))
     dep = copy.deepcopy(kube.objects[("Deployment", NS, "chat")])
     dep["status"] = {"observedGeneration": 1, "replicas": 1, "readyReplicas": 1}
+    kube.objects[("Deployment", NS, "chat")] = copy.deepcopy(dep)
     body = kube.objects[("InferenceService", NS, "chat")]
     body["metadata"]["generation"] = 2
     body["spec"] = {"engine": {"maxNumSeqs": 12}}
@@ -641,6 +643,21 @@ def test_a_child_made_by_someone_else_between_the_check_and_the_write_is_not_tak
     assert kube.objects[("Service", NS, "chat")]["spec"] == {"marker": "theirs"}
     rec.reconcile_by_name(NS, "chat")  # kopf's retry
     assert conds(kube.status("chat"))["Degraded"] == ("True", "NameConflict")
+
+
+def test_a_late_deployment_event_does_not_take_the_status_back(kube, rec):
+    """An event handled after a newer state was written (a busy operator) reads the
+    Deployment as it is now: Ready and the counts do not go back to the event's."""
+    rec.reconcile(kube.add_isvc("chat", {}))
+    ready = {"observedGeneration": 1, "replicas": 3, "updatedReplicas": 3, "readyReplicas": 3,
+             "availableReplicas": 3}  # fmt: skip
+    kube.objects[("Deployment", NS, "chat")]["status"] = ready
+    old = copy.deepcopy(kube.objects[("Deployment", NS, "chat")])
+    old["status"] = {"observedGeneration": 1, "replicas": 1}
+    rec.on_deployment_event("MODIFIED", old)
+    st = kube.status("chat")
+    assert (st["replicas"], st["readyReplicas"]) == (3, 3)
+    assert conds(st)["Ready"][0] == "True"
 
 
 def test_deployment_events_of_an_earlier_object_are_ignored(kube, rec):
