@@ -194,7 +194,9 @@ def server(tiny_path: str, tmp_path: Path, *flags: str) -> ServerProcess:
 
 def start(server: ServerProcess, api: Api, name: str) -> ServerProcess:
     """Start it with the admin token the operator derives for the InferenceService `name`."""
-    server.args += ["--admin-token", api.derived_token(name)]
+    # One argument: a base64url token starts with "-" one time in 64, which argparse would
+    # read as a flag (a CI run's server exited 2 so).
+    server.args += [f"--admin-token={api.derived_token(name)}"]
     return server.start()
 
 
