@@ -74,6 +74,35 @@ class StepCells:
             yield family
 
 
+# The server's per-replica counters, by the key a replica keeps each under.
+COUNTERS = (
+    (names.NUM_PREEMPTIONS, "preemptions"),
+    (names.SWAPS_OUT, "swaps_out"),
+    (names.SWAPS_IN, "swaps_in"),
+    (names.GENERATION_TOKENS, "gen"),
+    (names.PROMPT_TOKENS, "prompt"),
+    (names.REQUEST_ARRIVALS, "arrivals"),
+)
+
+
+def activity_families(replica):
+    """The counters ``replica.counters`` keeps (COUNTERS' keys) and the per-request
+    histograms (``ttft``, ``itl``, ``tpot``, ``prompt_tokens``, ``generation_tokens``):
+    what any stand-in for a server replica shows besides its gauges."""
+    for name, key in COUNTERS:
+        if key in replica.counters:
+            family = CounterMetricFamily(
+                name.removesuffix("_total"), name, labels=[names.METRIC_LABEL]
+            )
+            family.add_metric([MODEL_NAME], replica.counters[key])
+            yield family
+    yield replica.ttft.family(names.TIME_TO_FIRST_TOKEN, "time to first token")
+    yield replica.itl.family(names.INTER_TOKEN_LATENCY, "inter-token latency")
+    yield replica.tpot.family(names.REQUEST_TIME_PER_OUTPUT_TOKEN, "time per output token")
+    yield replica.prompt_tokens.family(names.REQUEST_PROMPT_TOKENS, "prompt tokens")
+    yield replica.generation_tokens.family(names.REQUEST_GENERATION_TOKENS, "output tokens")
+
+
 def metrics_text(replica: ReplicaSim) -> str:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(replica))
@@ -100,23 +129,7 @@ class _Collector:
         )  # fmt: skip
         for name, value in gauges:
             yield _gauge(name, value)
-        counters = (
-            (names.NUM_PREEMPTIONS, "preemptions"),
-            (names.SWAPS_OUT, "swaps_out"),
-            (names.SWAPS_IN, "swaps_in"),
-            (names.GENERATION_TOKENS, "gen"),
-            (names.PROMPT_TOKENS, "prompt"),
-            (names.REQUEST_ARRIVALS, "arrivals"),
-        )
-        for name, key in counters:
-            family = CounterMetricFamily(name.removesuffix("_total"), name, labels=label)
-            family.add_metric([MODEL_NAME], r.counters[key])
-            yield family
-        yield r.ttft.family(names.TIME_TO_FIRST_TOKEN, "time to first token")
-        yield r.itl.family(names.INTER_TOKEN_LATENCY, "inter-token latency")
-        yield r.tpot.family(names.REQUEST_TIME_PER_OUTPUT_TOKEN, "time per output token")
-        yield r.prompt_tokens.family(names.REQUEST_PROMPT_TOKENS, "prompt tokens")
-        yield r.generation_tokens.family(names.REQUEST_GENERATION_TOKENS, "output tokens")
+        yield from activity_families(r)
         yield from r.step_cells.families()
         info = GaugeMetricFamily(
             names.KV_CACHE_INFO, "kv", labels=[*label, "dtype", "block_size", "num_blocks"]

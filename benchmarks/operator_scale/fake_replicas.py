@@ -15,7 +15,7 @@ import time
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 
 from batchpilot import names
 from benchmarks.loopsim.metrics import (
@@ -26,6 +26,7 @@ from benchmarks.loopsim.metrics import (
     TTFT_BUCKETS,
     Histogram,
     StepCells,
+    activity_families,
 )
 
 # A modest steady load: about 2 requests/s per replica of ~500 prompt and ~150 output
@@ -91,21 +92,7 @@ class FakeReplica:
             family = GaugeMetricFamily(name, name, labels=label)
             family.add_metric([MODEL_NAME], value)
             yield family
-        counters = (
-            (names.NUM_PREEMPTIONS, "preemptions"),
-            (names.GENERATION_TOKENS, "gen"),
-            (names.PROMPT_TOKENS, "prompt"),
-            (names.REQUEST_ARRIVALS, "arrivals"),
-        )
-        for name, key in counters:
-            family = CounterMetricFamily(name.removesuffix("_total"), name, labels=label)
-            family.add_metric([MODEL_NAME], self.counters[key])
-            yield family
-        yield self.ttft.family(names.TIME_TO_FIRST_TOKEN, "time to first token")
-        yield self.itl.family(names.INTER_TOKEN_LATENCY, "inter-token latency")
-        yield self.tpot.family(names.REQUEST_TIME_PER_OUTPUT_TOKEN, "time per output token")
-        yield self.prompt_tokens.family(names.REQUEST_PROMPT_TOKENS, "prompt tokens")
-        yield self.generation_tokens.family(names.REQUEST_GENERATION_TOKENS, "output tokens")
+        yield from activity_families(self)
         yield from self.steps.families()
 
     def render(self) -> bytes:
