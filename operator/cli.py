@@ -62,25 +62,23 @@ def _scope_arguments(scope: argparse._ArgumentGroup) -> None:
     )
 
 
-def _config_arguments(run: argparse._ArgumentGroup) -> None:
-    """OperatorConfig's fields: each flag overrides its environment variable."""
-    run.add_argument(
-        "--server-image",
-        default=None,
-        help=f"image for InferenceServices without spec.image (${env_var('server_image')}; "
-        f"default {DEFAULT_SERVER_IMAGE})",
-    )
+def _interval_arguments(run: argparse._ArgumentGroup) -> None:
+    """The periods of the reconcile and of the loop."""
     run.add_argument(
         "--reconcile-interval",
         type=float,
         default=None,
         metavar="SECONDS",
-        help=f"full reconcile (drift correction) period (${env_var('reconcile_interval')}; default 30)",
+        help="period of each service's check: a full reconcile if it was degraded, routes to "
+        f"the activator or is due a resync (${env_var('reconcile_interval')}; default 30)",
     )
     run.add_argument(
-        "--cluster-domain",
+        "--resync-interval",
+        type=float,
         default=None,
-        help=f"for status.url (${env_var('cluster_domain')}; default cluster.local)",
+        metavar="SECONDS",
+        help="full reconcile (drift correction) period of a healthy service "
+        f"(${env_var('resync_interval')}; default 600)",
     )
     run.add_argument(
         "--loop-interval",
@@ -88,6 +86,30 @@ def _config_arguments(run: argparse._ArgumentGroup) -> None:
         default=None,
         metavar="SECONDS",
         help=f"closed-loop (autoscaling, tuning) period (${env_var('loop_interval')}; default 15)",
+    )
+    run.add_argument(
+        "--status-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="longest wait before the loop's figures are written to status while nothing is "
+        f"decided (${env_var('status_interval')}; default 60)",
+    )
+
+
+def _config_arguments(run: argparse._ArgumentGroup) -> None:
+    """OperatorConfig's fields: each flag overrides its environment variable."""
+    _interval_arguments(run)
+    run.add_argument(
+        "--server-image",
+        default=None,
+        help=f"image for InferenceServices without spec.image (${env_var('server_image')}; "
+        f"default {DEFAULT_SERVER_IMAGE})",
+    )
+    run.add_argument(
+        "--cluster-domain",
+        default=None,
+        help=f"for status.url (${env_var('cluster_domain')}; default cluster.local)",
     )
     run.add_argument(
         "--metrics-urls",
@@ -189,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
 
     import kopf
 
+    from batchpilot.operator import watch_restarts
     from batchpilot.operator.handlers import WATCHED_KINDS, make_registry
     from batchpilot.operator.kube import wait_until_served
 
@@ -207,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
         }[args.log_format],
         log_refkey="object" if args.log_format == "json" else None,
     )
+    watch_restarts.install(show_debug=args.debug or args.verbose)
     try:
         wait_until_served(WATCHED_KINDS, timeout=SERVED_TIMEOUT_SECONDS)
     except RuntimeError as e:

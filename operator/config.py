@@ -32,14 +32,25 @@ class OperatorConfig(BaseSettings):
     server_image: str = DEFAULT_SERVER_IMAGE
     """Image of InferenceServices that set no spec.image."""
     reconcile_interval: float = Field(30.0, gt=0)
-    """Seconds between full reconciles of each InferenceService: drift in its children is
-    corrected within this (deleted or edited Deployments, Services and PDBs sooner, on
-    their watch events)."""
+    """Seconds between checks of each InferenceService. A check is a full reconcile when
+    the last one found a problem (a missing claim may have appeared), the Service routes
+    to the activator, or resync_interval has passed; otherwise it reads and writes
+    nothing: edits of the object, and deleted or edited Deployments, Services, ConfigMaps
+    and PDBs, are reconciled at once on their watch events."""
+    resync_interval: float = Field(600.0, gt=0)
+    """Seconds between full reconciles of a service whose last one found nothing wrong:
+    every child is read and applied again (drift in the kinds not watched: Secret,
+    autoscaler, InferencePool). Each service's period is stretched by up to a tenth, by a
+    hash of its name, so services made together do not resync together."""
     cluster_domain: str = "cluster.local"
     """For status.url: http://<service>.<namespace>.svc.<cluster_domain>:<port>."""
     loop_interval: float = Field(15.0, gt=0)
     """Seconds between two rounds of the closed loop (scrape, decide, apply) of each
     InferenceService with autoscaling or tuning enabled."""
+    status_interval: float = Field(60.0, gt=0)
+    """Seconds between writes of the loop's figures (status.metrics, the tuner's model and
+    tallies) while nothing is decided: a decision, a scale change or a condition flipping
+    is written in the turn that makes it."""
     metrics_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Replica base URLs (http://host:port) the loop scrapes and tunes instead of the
     service's Ready pods, for every InferenceService: servers outside the cluster, tests.

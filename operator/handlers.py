@@ -153,8 +153,8 @@ def _register_inference_services(
         initial_delay=config.reconcile_interval,
         backoff=5,
     )
-    def resync(namespace: str, name: str, logger: Any, **_: Any) -> None:
-        rec.reconcile_by_name(namespace, name, logger)
+    def resync(body: kopf.Body, namespace: str, name: str, logger: Any, **_: Any) -> None:
+        rec.resync_by_name(namespace, name, plain(body), logger)
 
     @kopf.timer(
         **isvc,

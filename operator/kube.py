@@ -20,6 +20,7 @@ import urllib3
 from kubernetes import client, config, dynamic
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
+from batchpilot.operator import probes
 from batchpilot.operator.bounds import clip
 from batchpilot.operator.config import FIELD_MANAGER
 from batchpilot.operator.crd.api import API_VERSION, KIND
@@ -128,9 +129,17 @@ class Kube:
         return True
 
     def _call(self, verb: str, resource: Any, **kwargs) -> dict:
-        resp = getattr(self.dynamic, verb)(
-            resource, serialize=False, _request_timeout=TIMEOUT, **kwargs
-        )
+        code = "error"  # no answer: refused, reset, timed out
+        try:
+            resp = getattr(self.dynamic, verb)(
+                resource, serialize=False, _request_timeout=TIMEOUT, **kwargs
+            )
+            code = str(resp.status)
+        except ApiException as e:
+            code = str(e.status)
+            raise
+        finally:
+            probes.API_REQUESTS.labels(verb, code).inc()
         return json.loads(resp.data)
 
     def apply(self, obj: dict, *, dry_run: bool = False) -> dict:

@@ -66,6 +66,31 @@ LOOP_ROUNDS = Counter(
     ["namespace", "name"],
     registry=REGISTRY,
 )
+# Alert on time() minus this: a service whose loop stopped turning (an operator that fell
+# behind, a stuck turn) shows here first.
+LOOP_LAST_ROUND = Gauge(
+    "batchpilot_operator_loop_last_round_timestamp_seconds",
+    "Unix time of the latest closed-loop round, per InferenceService",
+    ["namespace", "name"],
+    registry=REGISTRY,
+)
+
+# Like client-go's rest_client_requests_total: the load the operator puts on the API
+# server, and its failures (an API server restart shows as "error" and 5xx codes).
+API_REQUESTS = Counter(
+    "batchpilot_operator_api_requests",
+    "Kubernetes API requests the reconciler and the loop made, by verb and HTTP status "
+    "(error: no answer)",
+    ["verb", "code"],
+    registry=REGISTRY,
+)
+WATCH_RESTARTS = Counter(
+    "batchpilot_operator_watch_restarts",
+    "Watch streams started again from a fresh list: expired (410 Gone: the resource "
+    "version was compacted away) or inactive (no event within the inactivity timeout)",
+    ["resource", "reason"],
+    registry=REGISTRY,
+)
 
 
 async def _health(_: web.Request) -> web.Response:

@@ -2,9 +2,9 @@
 an InferenceService: validate the spec, build the children (children/), check that every
 existing object of their names is its own (ownership.py), create or server-side apply them
 under one field manager, and write the status (status.py). The kopf handlers (handlers.py)
-run it on create, update and resume, on a timer every ``reconcile_interval`` (drift
-correction), and when a child is deleted or edited by hand (watch events). A Deployment's
-status changes refresh the owner's status only.
+run it on create, update and resume, when a child is deleted or edited by hand (watch
+events), and on a timer (``resync_by_name``: drift correction every ``resync_interval``).
+A Deployment's status changes refresh the owner's status only.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from batchpilot.operator.crd.api import GROUP, KIND
 from batchpilot.operator.crd.spec import InferenceServiceSpec, SpecError, check_name, parse_spec
 from batchpilot.operator.kube import ApiException, Kube, new_api_client, post_event
 from batchpilot.operator.loop.state import LoopState
+from batchpilot.operator.remembered import Deployments, Resyncs
 from batchpilot.operator.status import Problem
 
 log = logging.getLogger("batchpilot.operator")
@@ -92,6 +93,8 @@ class Reconciler:
         # Services that may go to zero, and whether their Service routes to the activator
         # now: a Deployment event that crosses "no replica Ready" switches it.
         self._to_activator: dict[tuple[str, str], bool] = {}
+        self._resyncs = Resyncs(config.resync_interval)
+        self._deployments = Deployments()
 
     @property
     def kube(self) -> Kube:
@@ -122,8 +125,21 @@ class Reconciler:
                 return  # owner references and the garbage collector remove the children
             self._reconcile(body, logger)
 
+    def resync_by_name(self, namespace: str, name: str, body: dict, logger=log) -> None:
+        """The timer's check: a full reconcile unless the last one found nothing wrong, was
+        of this generation and loop state, and is not resync_interval old yet. Edits, and
+        drift in the watched children, are reconciled at once on their watch events."""
+        key = (namespace, name)
+        generation = body["metadata"].get("generation", 1)
+        loops = LoopState.from_status(body.get("status"))
+        # A Service at the activator follows the activator's pods, which nothing watches.
+        if key in self._to_activator or not self._resyncs.in_sync(key, generation, loops):
+            self.reconcile_by_name(namespace, name, logger)
+
     def _forget(self, namespace: str, name: str) -> None:
         """Drop what is remembered about a deleted InferenceService's children."""
+        self._resyncs.forget((namespace, name))
+        self._deployments.forget((namespace, name))
         self._applied_generation.pop((namespace, name), None)
         self._to_activator.pop((namespace, name), None)
         for key in [k for k in self._desired if k[0] == namespace]:
@@ -134,6 +150,7 @@ class Reconciler:
         meta = body["metadata"]
         ns, name, generation = meta["namespace"], meta["name"], meta.get("generation", 1)
         prev = body.get("status") or {}
+        self._resyncs.forget((ns, name))
         url = deployment = None
         spec, problem = self._check(body, ns)
         if spec is not None and problem is None:
@@ -152,6 +169,8 @@ class Reconciler:
             to_activator=self._to_activator.get((ns, name), False),
         )
         self._write_status(body, prev, new, problem, logger)
+        if problem is None:
+            self._resyncs.good((ns, name), generation, LoopState.from_status(prev))
 
     def _build(
         self, owner: Owner, spec: InferenceServiceSpec, prev: dict, logger
@@ -198,6 +217,7 @@ class Reconciler:
         else:
             self._to_activator.pop((owner.namespace, owner.name), None)
         live = written["Deployment"]
+        self._deployments.seen((owner.namespace, owner.name), None, live)
         self._applied_generation[(owner.namespace, owner.name)] = live["metadata"]["generation"]
         return live, None
 
@@ -342,6 +362,14 @@ class Reconciler:
         dep = self.kube.read("apps/v1", "Deployment", owner.namespace, owner.name)
         return dep if dep is not None and ownership.controlled_by(dep, owner) else None
 
+    def watched_deployment(self, owner: Owner) -> dict | None:
+        """owned_deployment as its watch last showed it, without a request; read from the
+        API server while the watch has shown none (a service made a moment ago)."""
+        dep = self._deployments.get((owner.namespace, owner.name))
+        if dep is None:
+            return self.owned_deployment(owner)
+        return dep if ownership.controlled_by(dep, owner) else None
+
     def _write_status(
         self, body: dict, prev: dict, new: dict, problem: Problem | None, logger
     ) -> None:
@@ -371,6 +399,7 @@ class Reconciler:
         if owner is None:
             return
         ns, name = owner
+        self._deployments.seen(owner, event_type, dep)
         if event_type == "DELETED":
             logger.info("Deployment deleted by someone else: restoring it")
             self.reconcile_by_name(ns, name, logger)

@@ -31,6 +31,7 @@ from batchpilot.operator.loop.admin_client import AdminClient
 from batchpilot.operator.loop.idle import WAKE_ANNOTATION
 from batchpilot.operator.loop.scrape import PodMetricsSource, ReplicaSource, UrlMetricsSource
 from batchpilot.operator.loop.state import LoopState
+from batchpilot.operator.loop.status_memory import StatusMemory
 from batchpilot.operator.loop.timestamps import maybe_timestamp
 from batchpilot.operator.loop.tuner_state import EngineSettings
 from batchpilot.operator.loop.turn import ClosedLoop, LoopOutcome
@@ -90,6 +91,7 @@ def wake_requested_at(body: dict) -> float | None:
 
 def count(namespace: str, name: str, outcome: LoopOutcome, replicas: int) -> None:
     probes.LOOP_ROUNDS.labels(namespace, name).inc()
+    probes.LOOP_LAST_ROUND.labels(namespace, name).set_to_current_time()
     probes.LOOP_BLIND.labels(namespace, name).set(1 if outcome.blind else 0)
     if outcome.scrape_failures:
         probes.SCRAPE_FAILURES.labels(namespace, name).inc(len(outcome.scrape_failures))
@@ -119,6 +121,7 @@ class LoopTimer:
         self._adapters: AdapterSync | None = None
         # A wake request runs a turn at once, beside the timer's: one turn at a time each.
         self._turns: dict[tuple[str, str], asyncio.Lock] = {}
+        self._status = StatusMemory(config.status_interval)
         self._adapter_turns: dict[tuple[str, str], asyncio.Lock] = {}
 
     @property
@@ -143,6 +146,7 @@ class LoopTimer:
         if self._loop is not None:
             self._loop.forget(namespace, name)
         self._turns.pop((namespace, name), None)
+        self._status.forget((namespace, name))
         self._adapter_turns.pop((namespace, name), None)
 
     async def sync_adapters(self, body: dict, logger=log) -> None:
@@ -156,7 +160,7 @@ class LoopTimer:
             except SpecError:
                 return  # the reconcile reports it as Degraded
             owner = Owner.from_body(body)
-            if await asyncio.to_thread(self.rec.owned_deployment, owner) is None:
+            if await asyncio.to_thread(self.rec.watched_deployment, owner) is None:
                 return  # no replica of ours: nothing to load into
             status = body.get("status") or {}
             token = self.rec.admin_token(owner)
@@ -184,10 +188,10 @@ class LoopTimer:
             return  # the reconcile reports it as Degraded
         kube = self.rec.kube
         owner = Owner.from_body(body)
-        deployment = await asyncio.to_thread(self.rec.owned_deployment, owner)
+        deployment = await asyncio.to_thread(self.rec.watched_deployment, owner)
         if deployment is None:
             return  # nothing of ours serves yet: the reconcile builds it (or reports why not)
-        status = body.get("status") or {}
+        status = self._status.current((ns, name), body.get("status") or {})
         replicas = (deployment.get("spec") or {}).get("replicas", 0)
         outcome = await self.loop.run_once(
             ns,
@@ -200,8 +204,16 @@ class LoopTimer:
             wake_requested_at(body),
         )
         count(ns, name, outcome, replicas)
-        if outcome.status_patch:
-            await asyncio.to_thread(kube.patch_isvc_status, ns, name, outcome.status_patch)
+        now = time.time()
+        patch = self._status.record(
+            (ns, name), status, outcome.status_patch, bool(outcome.events), now
+        )
+        if patch:
+            try:
+                await asyncio.to_thread(kube.patch_isvc_status, ns, name, patch)
+            except Exception:
+                self._status.forget((ns, name))  # the next turn starts from what is written
+                raise
         for reason, message in outcome.events:
             logger.info("%s: %s", reason, message)
             warning = reason.endswith("Failed") or reason in WARNING_REASONS
@@ -209,7 +221,6 @@ class LoopTimer:
         # The patch replaces whole top-level keys, so this is the status it leaves.
         after = {**status, **outcome.status_patch}
         was_blind = bool((status.get("metrics") or {}).get("loopBlind"))
-        now = time.time()
         if (
             LoopState.from_status(status) != LoopState.from_status(after)
             or was_blind != bool(outcome.blind)

@@ -52,7 +52,11 @@ def install_crds(k8s) -> None:
 
 def config(**kw) -> OperatorConfig:
     return OperatorConfig(
-        server_image=IMAGE, reconcile_interval=INTERVAL, admin_key=ADMIN_KEY, **kw
+        server_image=IMAGE,
+        reconcile_interval=INTERVAL,
+        resync_interval=INTERVAL,  # drift in the kinds not watched, too, within the tests' waits
+        admin_key=ADMIN_KEY,
+        **kw,
     )
 
 
@@ -212,7 +216,9 @@ def loop_operator(
     config = OperatorConfig(
         server_image=IMAGE,
         reconcile_interval=5,
+        resync_interval=5,
         loop_interval=2,
+        status_interval=2,  # every turn's figures in status: the tests wait on them
         metrics_urls=[s.url for s in servers] or list(urls),
         admin_urls=[s.admin_url for s in servers],
         admin_key=ADMIN_KEY,
@@ -237,6 +243,7 @@ def start_operator_process(
         **k8s.env,
         "BATCHPILOT_SERVER_IMAGE": "env/image:1",
         "BATCHPILOT_RECONCILE_INTERVAL": str(INTERVAL),
+        "BATCHPILOT_RESYNC_INTERVAL": str(INTERVAL),
         "BATCHPILOT_ADMIN_KEY": ADMIN_KEY,  # one key for both replicas, as the chart gives
         "PYTHONUNBUFFERED": "1",
         **(env or {}),

@@ -162,6 +162,12 @@ def install_operator(kind: Kind) -> None:
         "operator.logFormat=plain",
         "--set",
         "operator.reconcileInterval=10",
+        "--set",
+        "operator.resyncInterval=10",
+        # Every loop turn's figures in status: the tests wait on them (the default's held
+        # figures: tests/unit/test_operator_api_load.py, benchmarks/operator_scale).
+        "--set",
+        "operator.statusInterval=5",
         # One replica: the fault tests kill "the operator" and the reports read its log; the
         # chart's two peered replicas are tested in the cluster tier (test_chart.py,
         # test_operator_cluster.py's failover).

@@ -107,11 +107,19 @@ def test_ready_needs_ready_not_progressing_and_this_generation():
     assert not scale.is_ready({"metadata": {"generation": 1}})
 
 
-def test_turn_times_are_read_from_status_metrics_time():
+def test_turn_times_are_read_from_the_operators_last_round_gauge():
+    def exposition(t: float) -> str:
+        return (
+            f"# TYPE {scale.LAST_ROUND} gauge\n"
+            f'{scale.LAST_ROUND}{{name="svc-0001",namespace="scale"}} {t}\n'
+            'batchpilot_operator_loop_rounds_total{name="svc-0001",namespace="scale"} 3.0\n'
+        )
+
     times: dict[str, set[float]] = {}
-    scale.record_turns([service(time="2026-12-04T23:00:00.500Z"), service()], times)
-    scale.record_turns([service(time="2026-12-04T23:00:15.500Z")], times)
-    assert sorted(times["svc-0001"]) == [1796425200.5, 1796425215.5]
+    scale.record_turns(exposition(1796425200.5), times)
+    scale.record_turns(exposition(1796425200.5), times)  # no turn since: one time
+    scale.record_turns(exposition(1796425215.5), times)
+    assert times == {"svc-0001": {1796425200.5, 1796425215.5}}
 
 
 def test_the_spec_pins_the_autoscaler_so_nothing_scales():
