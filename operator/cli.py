@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from batchpilot.operator import watch_restarts
+    from batchpilot.operator import log_filters
     from batchpilot.operator.handlers import WATCHED_KINDS, make_registry
     from batchpilot.operator.kube import wait_until_served
 
@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         }[args.log_format],
         log_refkey="object" if args.log_format == "json" else None,
     )
-    watch_restarts.install(show_debug=args.debug or args.verbose)
+    log_filters.install(verbose=args.debug or args.verbose)
     try:
         wait_until_served(WATCHED_KINDS, timeout=SERVED_TIMEOUT_SECONDS)
     except RuntimeError as e:

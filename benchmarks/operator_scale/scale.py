@@ -17,7 +17,7 @@ from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchpilot.operator.crd.api import GROUP, PLURAL, VERSION
-from benchmarks.operator_scale import measure, processes
+from benchmarks.operator_scale import faults, measure, processes
 from tests.k8s import cluster as k8s_cluster
 from tests.support.cluster import Api, install_crds, stop_process
 
@@ -40,6 +40,7 @@ class Plan:
     steady_seconds: float
     settle_seconds: float
     ready_timeout: float
+    restart_apiserver: bool = False  # the fault: kube-apiserver restarted mid-reconcile
 
 
 def service_spec(replicas: int) -> dict:
@@ -134,10 +135,17 @@ class Point:
         for i in range(plan.services):
             self.api.create(f"svc-{i:04d}", service_spec(plan.replicas))
         applied_s = time.monotonic() - t0
+        fault = faults.ApiServerRestart(cluster, self.api) if plan.restart_apiserver else None
+        if fault is not None:
+            fault.inject()
         ready_s, peak_rss, times = self._wait_ready(pid, t0)
         reconcile_cpu = (measure.cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
         time.sleep(plan.settle_seconds)
         steady = self._steady(cluster, pid, times)
+        if fault is not None:
+            alive = measure.alive(pid)
+            metrics = processes.http_text(self.operator_metrics)
+            steady["fault"] = fault.verdict(plan.services, plan.replicas, metrics, alive)
         return {
             "services": plan.services,
             "pods": plan.services * plan.replicas,

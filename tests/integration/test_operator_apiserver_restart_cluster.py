@@ -1,20 +1,24 @@
 """The operator through kube-apiserver outages, on a control plane of its own (the
 session's shared one must not go down under other tests): started while the API server is
 down, it waits and then serves; services created before, during and after a restart all
-converge, none twice, no child is deleted or recreated, and the process lives through it."""
+converge, none twice, no child is deleted or recreated, the process lives through it, and
+its /metrics and log say what happened (failed requests, watches restarted on 410 Gone)."""
 
 from __future__ import annotations
 
 import json
+import urllib.request
 from pathlib import Path
 
 import pytest
 from kubernetes import client
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.k8s import cluster as k8s_cluster
 from tests.support.cluster import (
     PROCESS_TIMEOUT,
     Api,
+    free_port,
     install_crds,
     not_found,
     start_operator_process,
@@ -43,6 +47,19 @@ def resynced(log: Path, offset: int) -> set[str]:
     return names
 
 
+def operator_counts(metrics_url: str, name: str, label: str) -> dict[str, float]:
+    """A counter of the operator's /metrics, summed by one label."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                key = sample.labels[label]
+                counts[key] = counts.get(key, 0) + sample.value
+    return counts
+
+
 def all_ready(api: Api, names: list[str]) -> bool:
     return all(api.ready(n) for n in names)
 
@@ -58,7 +75,11 @@ def test_the_operator_converges_through_api_server_restarts_with_nothing_recreat
         # The operator starts while kube-apiserver is down: it waits for it to serve what
         # the operator watches (kopf would otherwise keep an incomplete discovery).
         k8s.component("kube-apiserver").stop()
-        operator = start_operator_process(k8s, NAMESPACE, "--standalone", log=log)
+        port = free_port()
+        metrics = f"http://127.0.0.1:{port}/metrics"
+        # --verbose: the log keeps kopf's "Timer 'resync' succeeded" lines read below.
+        liveness = ("--verbose", "--liveness", f"http://127.0.0.1:{port}/healthz")
+        operator = start_operator_process(k8s, NAMESPACE, "--standalone", *liveness, log=log)
         wait_for("the operator to wait for the API server",
                  lambda: "waiting for the API server" in log.read_text(), PROCESS_TIMEOUT,
                  not_yet=not_found)  # fmt: skip
@@ -80,7 +101,12 @@ def test_the_operator_converges_through_api_server_restarts_with_nothing_recreat
         # What existed before the restart is the same object after it.
         assert {n: converged[n] for n in created} == created
         # A restart in the steady state: every service is reconciled again after it (its
-        # resync timer), and every child stays as it is.
+        # resync timer), and every child stays as it is. A write just before it moves the
+        # store past every watch's last event: each watch resumes from a version the new
+        # API server's cache does not hold, and gets 410 Gone.
+        restarts = "batchpilot_operator_watch_restarts_total"
+        expired = operator_counts(metrics, restarts, "reason").get("expired", 0)
+        client.CoreV1Api(k8s.api).create_namespace({"metadata": {"name": "moves-the-store"}})
         k8s.restart("kube-apiserver")
         offset = len(log.read_text())
         wait_for("a resync of every service after the restart",
@@ -89,6 +115,14 @@ def test_the_operator_converges_through_api_server_restarts_with_nothing_recreat
         assert all_ready(api, BEFORE + AFTER)
         assert deployments(api) == converged
         assert operator.poll() is None, log.read_text()[-3000:]
+        # What happened, in the operator's own words: requests that got no answer, and
+        # watches started again from a fresh list.
+        requests = operator_counts(metrics, "batchpilot_operator_api_requests_total", "code")
+        assert requests.get("error", 0) > 0, requests
+        wait_for("the watches' 410 Gone counted",
+                 lambda: operator_counts(metrics, restarts, "reason").get("expired", 0) > expired,
+                 PROCESS_TIMEOUT)  # fmt: skip
+        assert "Restarting the watch-stream" in log.read_text()[offset:]
     except AssertionError as e:
         raise AssertionError(f"{e}\n--- operator log\n{log.read_text()[-4000:]}") from None
     finally:

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from batchpilot.operator import probes, watch_restarts
+from batchpilot.operator import log_filters, probes
 from batchpilot.operator.config import OperatorConfig
 from batchpilot.operator.loop.admin_client import AdminClient
 from batchpilot.operator.loop.state import LoopState
@@ -244,12 +244,12 @@ def test_the_latest_copy_of_a_deployment_is_kept():
     ],
 )  # fmt: skip
 def test_kopfs_watch_restart_lines_are_recognised(message, restart):
-    assert watch_restarts.restart_reason(message) == restart
+    assert log_filters.restart_reason(message) == restart
 
 
 def test_a_410_restart_is_counted_and_logged_at_info_and_other_debug_lines_stay_out(caplog):
-    logger = logging.getLogger(watch_restarts.WATCHING_LOGGER)
-    watch_restarts.install(show_debug=False)
+    logger = logging.getLogger(log_filters.WATCHING_LOGGER)
+    log_filters.install(verbose=False)
     labels = {"resource": "pods.v1", "reason": "expired"}
     name = "batchpilot_operator_watch_restarts_total"
     before = probes.REGISTRY.get_sample_value(name, labels) or 0
@@ -259,6 +259,21 @@ def test_a_410_restart_is_counted_and_logged_at_info_and_other_debug_lines_stay_
     assert probes.REGISTRY.get_sample_value(name, labels) == before + 1
     shown = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == logger.name]
     assert shown == [("INFO", "Restarting the watch-stream for pods.v1 in 'x'.")]
+
+
+def test_kopfs_success_lines_are_dropped_and_everything_else_kept(caplog):
+    log_filters.install(verbose=False)
+    logger = logging.getLogger(log_filters.OBJECTS_LOGGER)
+    with caplog.at_level(logging.INFO):
+        logger.info("Timer 'loop' succeeded.")
+        logger.info("Handler 'child' succeeded.")
+        logger.info("Applied generation 2: image x")
+        logger.error("Timer 'loop' failed with an exception. Will retry.")
+    shown = [r.getMessage() for r in caplog.records if r.name == logger.name]
+    assert shown == [
+        "Applied generation 2: image x",
+        "Timer 'loop' failed with an exception. Will retry.",
+    ]
 
 
 def test_api_requests_are_counted_by_verb_and_code():

@@ -155,3 +155,27 @@ def test_first_applies_keep_each_services_first_apply_from_the_json_log():
         line("svc-0002", "Applied generation 1: image x", "2026-12-04T23:00:03+00:00"),
     ]
     assert measure.first_applies(log) == {"svc-0001": 1796425201.0, "svc-0002": 1796425203.0}
+
+
+def test_the_fault_verdict_fails_on_anything_recreated_rolled_or_lost():
+    from benchmarks.operator_scale import faults
+
+    text = (
+        "# TYPE batchpilot_operator_api_requests counter\n"
+        'batchpilot_operator_api_requests_total{verb="get",code="200"} 5.0\n'
+        'batchpilot_operator_api_requests_total{verb="patch",code="error"} 2.0\n'
+        'batchpilot_operator_api_requests_total{verb="get",code="error"} 1.0\n'
+    )
+    assert faults.counter_by(text, faults.API_REQUESTS, "code") == {"200": 5.0, "error": 3.0}
+    good = {
+        "all_services_have_a_deployment": True,
+        "operator_alive": True,
+        "recreated_deployments": [],
+        "deployments_with_more_than_one_replicaset": [],
+        "services_with_other_than_their_replicas_pods": [],
+    }
+    assert faults.passed(good)
+    for key, bad in (("operator_alive", False), ("recreated_deployments", ["svc-0001"]),
+                     ("deployments_with_more_than_one_replicaset", ["svc-0002"]),
+                     ("all_services_have_a_deployment", False)):  # fmt: skip
+        assert not faults.passed({**good, key: bad})
