@@ -22,30 +22,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from batchpilot import names
 from batchpilot.operator.bounds import clip
 from batchpilot.operator.loop import observe_steps
+from batchpilot.operator.loop.exposition import COUNTERS, GAUGES, HISTOGRAMS, wanted_lines
 from batchpilot.operator.loop.observe_steps import StepCell, StepKey
 
 if TYPE_CHECKING:
     from batchpilot.operator.loop.scrape import Scrape
 
 DEFAULT_WINDOW_SECONDS = 60.0
-
-GAUGES = (
-    names.NUM_REQUESTS_WAITING,
-    names.NUM_REQUESTS_RUNNING,
-    names.NUM_REQUESTS_SWAPPED,
-    names.KV_CACHE_USAGE,
-    names.MAX_NUM_SEQS_METRIC,
-    names.MAX_NUM_BATCHED_TOKENS_METRIC,
-    names.OLDEST_WAITING_SECONDS,
-)
-COUNTERS = (names.NUM_PREEMPTIONS, names.SWAPS_OUT, names.GENERATION_TOKENS, names.REQUEST_ARRIVALS)
-HISTOGRAMS = (
-    names.TIME_TO_FIRST_TOKEN,
-    names.INTER_TOKEN_LATENCY,
-    names.REQUEST_TIME_PER_OUTPUT_TOKEN,
-    names.REQUEST_PROMPT_TOKENS,
-    names.REQUEST_GENERATION_TOKENS,
-)
 
 Buckets = tuple[tuple[float, float], ...]  # ((upper bound "le", cumulative count), ...)
 
@@ -125,7 +108,7 @@ def parse_metrics(text: str, now: float) -> Sample:
     steps: dict[StepKey, list[float]] = {}
     lora, info = None, {}
     try:
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(wanted_lines(text)):
             if family.name == names.LORA_REQUESTS_INFO:
                 lora = _newest_lora(family.samples)
                 continue

@@ -243,3 +243,28 @@ def test_forget_drops_a_service():
     observer.record("ns/a", [Scrape("http://r0", text=FakeServer().text())], now=0.0)
     observer.forget("ns/a")
     assert observer.window("ns/a") is None
+
+
+def test_the_cut_keeps_whole_every_family_the_loop_reads_and_drops_the_rest():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from batchpilot.operator.loop.exposition import COUNTERS, GAUGES, HISTOGRAMS, wanted_lines
+
+    server = FakeServer()
+    server.stats["num_preemptions"] = 7
+    server.metrics.itl.observe(0.03)
+    server.metrics.ttft.observe(0.2)
+    text = server.text()
+    read = {
+        n.removesuffix("_total") for n in (*GAUGES, *COUNTERS, *HISTOGRAMS, *names.STEP_COUNTERS)
+    }
+    read |= {names.LORA_REQUESTS_INFO, names.KV_CACHE_INFO}
+    full = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    cut = {f.name: f.samples for f in text_string_to_metric_families(wanted_lines(text))}
+    assert {n: s for n, s in cut.items() if n in read} == {
+        n: s for n, s in full.items() if n in read
+    }
+    # Besides those, only their own series (a histogram's _created) pass the cut.
+    assert all(n.startswith(tuple(read)) for n in cut)
+    assert set(full) - read, "the server exposes families the loop does not read"
+    assert len(wanted_lines(text)) < len(text)
