@@ -34,6 +34,8 @@ LORA_MODULES = "--lora-modules"
 # (names.LORA_MODULES_ENV, from the ConfigMap), which this flag would override.
 PRELOAD_LORA_MODULES = "--preload-lora-modules"
 LORA_KNOBS = (names.MAX_LORAS, names.MAX_LORA_RANK, names.MAX_CPU_LORAS)
+# spec.adapterResolver's directory (vLLM's filesystem resolver), rendered only with one.
+LORA_RESOLVER_DIR = "--lora-resolver-dir"
 LORA_RANKS = (8, 16, 32, 64, 128, 256)
 
 MANAGED_FLAGS = tuple(
@@ -52,6 +54,7 @@ MANAGED_FLAGS = tuple(
             "--no-" + ENABLE_LORA[2:],  # would turn LoRA off under the operator's adapters
             LORA_MODULES,
             PRELOAD_LORA_MODULES,
+            LORA_RESOLVER_DIR,
         ]
         + [k.flag for k in (*ENGINE_KNOBS, *LORA_KNOBS)]
         + ["--no-" + k.flag[2:] for k in ENGINE_KNOBS if k.name in BOOL_KNOBS]

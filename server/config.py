@@ -13,6 +13,7 @@ GiB = 1 << 30
 # Loaded adapters are never evicted and reloaded from disk (vLLM does that, with its
 # default of max_loras): a default as small would refuse a service's second adapter.
 DEFAULT_MAX_CPU_LORAS = 32
+MAX_RESOLVER_DIR_CHARS = 4096
 # A CPU computes a 2048-token step in over a second: when 16 closed-loop requests arrive
 # together, their prefills filled one such step and every stream waited for it (guidellm:
 # TTFT 1.7-2.0 s against 0.15 s alone); 512 spreads them over shorter steps (0.68-0.75 s,
@@ -80,7 +81,9 @@ class EngineConfig:
     linear_backend: str = knob("auto", "auto: on CPUs in float32, oneDNN's linear with the "
                                "weights prepacked at load where a timing at start-up finds "
                                "it faster than torch's (cached per machine), else torch's; "
-                               "torch and onednn (CPU only) force one",
+                               "in bfloat16 with AVX512-BF16, a GEMV kernel for steps of up "
+                               "to 8 rows, torch's above; torch and onednn (CPU only) force "
+                               "one",
                                choices=("auto", "torch", "onednn"))  # fmt: skip
     # On by default, as in vLLM (whose --enforce-eager turns them off): on an H200 one
     # stream decoded 13x faster with them (benchmarks/README.md, GPU). No effect on CPUs.
@@ -105,6 +108,12 @@ class EngineConfig:
                               "for it")  # fmt: skip
     max_cpu_loras: int | None = knob(None, "most adapters loaded at once, held in host "
                                      "memory (default: 32, or max_loras if larger)")  # fmt: skip
+    # vLLM's filesystem resolver (VLLM_LORA_RESOLVER_CACHE_DIR, which `serve` reads too).
+    lora_resolver_dir: str | None = knob(None, "directory of PEFT adapters, one per "
+                                         "subdirectory: a request naming an adapter that "
+                                         "is not loaded loads <dir>/<name> on first use "
+                                         "(or $VLLM_LORA_RESOLVER_CACHE_DIR); implies "
+                                         "--enable-lora")  # fmt: skip
     cpu_threads: int | None = knob(None, "torch threads on CPU (default: from the cgroup CPU "
                                    "quota capped by the CPU affinity; $BATCHPILOT_CPU_THREADS, "
                                    "then $OMP_NUM_THREADS, override that default)")  # fmt: skip
@@ -114,6 +123,8 @@ class EngineConfig:
     )  # fmt: skip
 
     def __post_init__(self):
+        if self.lora_resolver_dir:  # adapters load on first use: LoRA must be on
+            self.enable_lora = True
         self.validate()
 
     def validate(self) -> None:
@@ -135,6 +146,9 @@ class EngineConfig:
             (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
              "max_cpu_loras must be >= max_loras"),
             (self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1"),
+            (self.lora_resolver_dir is None
+             or 0 < len(self.lora_resolver_dir) <= MAX_RESOLVER_DIR_CHARS,
+             f"lora_resolver_dir must be 1 to {MAX_RESOLVER_DIR_CHARS} characters"),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:

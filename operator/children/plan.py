@@ -58,14 +58,26 @@ def plan_adapters(spec: InferenceServiceSpec) -> list[AdapterPlan]:
     return [AdapterPlan(a.name, *resolve_source(a.source)) for a in spec.adapters]
 
 
+def plan_adapter_resolver(spec: InferenceServiceSpec) -> tuple[str, str | None] | None:
+    """(the server's --lora-resolver-dir, the claim to mount) of spec.adapterResolver, or
+    None without one."""
+    resolver = spec.adapter_resolver
+    return resolve_source(resolver.source) if resolver is not None else None
+
+
 def lora_enabled(spec: InferenceServiceSpec) -> bool:
-    return spec.engine.enable_lora or bool(spec.adapters)
+    return spec.engine.enable_lora or bool(spec.adapters) or spec.adapter_resolver is not None
 
 
 def adapter_claims(spec: InferenceServiceSpec) -> list[str]:
-    """Claims the adapters need beyond the model's, each once, sorted."""
+    """Claims the adapters (spec.adapters and spec.adapterResolver) need beyond the
+    model's, each once, sorted: each is mounted, and one that is missing marks the service
+    Degraded."""
     model = plan_model(spec).pvc
-    return sorted({p.pvc for p in plan_adapters(spec) if p.pvc and p.pvc != model})
+    claims = {p.pvc for p in plan_adapters(spec)}
+    if (resolver := plan_adapter_resolver(spec)) is not None:
+        claims.add(resolver[1])
+    return sorted(c for c in claims if c and c != model)
 
 
 def _default_name(source: str) -> str:

@@ -23,12 +23,14 @@ from batchpilot.operator.children.plan import (
     ModelPlan,
     adapter_claims,
     lora_enabled,
+    plan_adapter_resolver,
     plan_model,
 )
 from batchpilot.operator.children.quantity import parse_quantity
 from batchpilot.operator.children.secret import SECRET_TOKEN_KEY, secret_name
 from batchpilot.operator.crd.engine import EngineSpec
 from batchpilot.operator.crd.spec import InferenceServiceSpec
+from batchpilot.operator.flags import LORA_RESOLVER_DIR
 
 CONTAINER = "server"
 MODEL_VOLUME = "model"
@@ -88,12 +90,20 @@ def server_args(spec: InferenceServiceSpec, engine: EngineSpec, model: ModelPlan
         "--served-model-name",
         model.served_name,
         *engine_args(engine, live_max_num_seqs=spec.tuning.enabled),
+        *resolver_args(spec),
         "--max-queue-len",
         str(s.max_queue_len),
         "--shutdown-timeout",
         str(s.shutdown_timeout_seconds),
         *engine.extra_args,
     ]
+
+
+def resolver_args(spec: InferenceServiceSpec) -> list[str]:
+    """--lora-resolver-dir with spec.adapterResolver (its claim is among adapter_claims,
+    mounted read-only); nothing without one, so that other templates stay as they were."""
+    resolver = plan_adapter_resolver(spec)
+    return [LORA_RESOLVER_DIR, resolver[0]] if resolver is not None else []
 
 
 def _probe(path: str, period: int, failures: int, timeout: int) -> dict:

@@ -11,7 +11,8 @@ from batchpilot.operator import flags
 from batchpilot.operator.crd.base import CamelModel, DNS1123Subdomain, Rule
 
 # A path in the container, a path on a PersistentVolumeClaim, or a pre-cached HF repo.
-_SOURCE_FORMS = r"/.+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|hf://[^/\s]+/[^\s]+"
+_DIR_FORMS = r"/.+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?"
+_SOURCE_FORMS = _DIR_FORMS + r"|hf://[^/\s]+/[^\s]+"
 
 
 class ModelSpec(CamelModel):
@@ -154,3 +155,16 @@ class AdapterSpec(CamelModel):
     """Where the adapter (a PEFT directory) is: an absolute path in the container,
     `pvc://<claim>/<path>` (mounted read-only; a claim not mounted yet rolls the pods), or
     `hf://<org>/<name>` (already in a mounted Hugging Face cache)."""
+
+
+class AdapterResolverSpec(CamelModel):
+    """vLLM's filesystem LoRA resolver (VLLM_LORA_RESOLVER_CACHE_DIR): a directory of PEFT
+    adapters, one per subdirectory. A request whose `model` names an adapter that is not
+    loaded loads `<directory>/<model>/` on first use, so adapters are added by copying them
+    to the volume, without touching the InferenceService. The directory reaches the server
+    as --lora-resolver-dir; spec.adapters still loads its own on every replica up front."""
+
+    source: str = Field(max_length=1024, pattern=rf"^({_DIR_FORMS})$")
+    """The directory: `pvc://<claim>/<path>` (the claim is mounted read-only on every
+    replica; a claim that does not exist marks the service Degraded) or an absolute path
+    in the container (a volume of pod.volumes)."""

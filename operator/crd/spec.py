@@ -11,6 +11,7 @@ from batchpilot.operator.crd.autoscaling import AutoscalingSpec
 from batchpilot.operator.crd.base import CamelModel, Rule
 from batchpilot.operator.crd.engine import (
     MAX_ADAPTERS,
+    AdapterResolverSpec,
     AdapterSpec,
     EngineSpec,
     ModelSpec,
@@ -41,6 +42,9 @@ class InferenceServiceSpec(CamelModel):
     adapters: list[AdapterSpec] = Field(default_factory=list, max_length=MAX_ADAPTERS)
     """LoRA adapters to serve. Adding or removing one loads or unloads it on every
     replica without a restart (status.adapters has each one's state per replica)."""
+    adapter_resolver: AdapterResolverSpec | None = None
+    """A directory of adapters each replica loads on first use, by the name a request
+    sends (vLLM's filesystem LoRA resolver). Setting or changing it rolls the pods."""
 
     rules = (
         Rule(

@@ -3,15 +3,21 @@ with vLLM's names."""
 
 import argparse
 import os
+import sys
 
 from batchpilot import names
 from batchpilot.server.api.app import serve
 from batchpilot.server.api.lora_modules import parse_lora_module, parse_lora_module_list
 from batchpilot.server.config import add_engine_args
 
+# vLLM's filesystem LoRA resolver reads its directory from this variable; --lora-resolver-dir
+# (EngineConfig.lora_resolver_dir) overrides it.
+LORA_RESOLVER_DIR_ENV = "VLLM_LORA_RESOLVER_CACHE_DIR"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
+    parser.set_defaults(lora_resolver_dir=os.environ.get(LORA_RESOLVER_DIR_ENV) or None)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=names.DEFAULT_PORT)
@@ -109,4 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # As vLLM refuses to start its resolver on a directory that is not one.
+    if args.lora_resolver_dir and not os.path.isdir(args.lora_resolver_dir):
+        print(f"--lora-resolver-dir (or ${LORA_RESOLVER_DIR_ENV}) {args.lora_resolver_dir!r} "
+              "is not a directory", file=sys.stderr)  # fmt: skip
+        return 2
     return serve(args)

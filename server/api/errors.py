@@ -30,25 +30,36 @@ ERROR_TYPES = {
 }
 
 
+# vLLM's type for the LoRA routes' own refusals (a missing field, a name loaded already).
+INVALID_USER_INPUT = "InvalidUserInput"
+
+
 class APIError(Exception):
+    """error_type: where vLLM names the error otherwise than by its status (ERROR_TYPES)."""
+
     def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):  # fmt: skip
+                 headers: dict[str, str] | None = None,
+                 error_type: str | None = None):  # fmt: skip
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.headers = headers or {}
+        self.error_type = error_type
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None,
+               error_type: str | None = None) -> dict:  # fmt: skip
     phrase = "".join(ch for ch in HTTPStatus(status).phrase.title() if ch.isalnum())
-    error_type = ERROR_TYPES.get(status) or phrase + "Error"
+    error_type = error_type or ERROR_TYPES.get(status) or phrase + "Error"
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None,
+                   error_type: str | None = None) -> JSONResponse:  # fmt: skip
+    body = error_body(status, message, param, error_type)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def send_error(send, status: int, message: str, headers: dict[str, str] | None = None):
@@ -85,7 +96,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.headers)
+        return error_response(exc.status, exc.message, exc.param, exc.headers, exc.error_type)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -4,6 +4,7 @@ and the error event of a stream that fails after its header went out."""
 
 import asyncio
 
+from batchpilot.server.api import lora_resolver
 from batchpilot.server.api.context import ServerContext
 from batchpilot.server.api.errors import APIError, error_body
 from batchpilot.server.api.responses import sse
@@ -21,10 +22,15 @@ RETRY_AFTER_SECONDS = 1
 
 def check_model(ctx: ServerContext, requested: str | None) -> tuple[str, str | None]:
     """-> (the model responses name, the LoRA adapter to run or None for the base model).
-    An adapter is chosen by its name in `model`, as in vLLM."""
+    An adapter is chosen by its name in `model`, as in vLLM: a loaded one, or one that
+    --lora-resolver-dir has (start() loads it on first use)."""
     if requested is None or requested == ctx.served_model_name:
         return ctx.served_model_name, None
-    if requested in ctx.loras:
+    if lora_resolver.is_served(ctx, requested):
+        return requested, requested
+    if ctx.engine.config is None:  # still loading: the resolver's directory is not known yet
+        require_engine(ctx)
+    if lora_resolver.resolvable(ctx, requested):
         return requested, requested
     # vLLM answers an unknown model (or adapter) 404 NotFoundError, param "model".
     raise APIError(404, f"The model `{requested}` does not exist.", "model")
@@ -43,6 +49,8 @@ async def start(ctx: ServerContext, requests: list[tuple], lora_name: str | None
     the HTTP errors for everything that can refuse them."""
     engine = ctx.engine
     require_engine(ctx)
+    if lora_name is not None:  # an adapter the resolver has: loaded on its first request
+        await lora_resolver.load_on_first_use(ctx, lora_name)
     # Counted in sequences (prompts x n), as the engine queues them, and refused whole.
     if len(requests) > ctx.max_queue_len:
         raise APIError(400, f"The request asks for {len(requests)} sequences (prompts x n) "

@@ -2,6 +2,7 @@
 
 from fastapi import APIRouter, Depends, Response
 
+from batchpilot.server.api import lora_resolver
 from batchpilot.server.api import responses as r
 from batchpilot.server.api.context import ServerContext, get_context
 from batchpilot.server.api.errors import APIError
@@ -38,5 +39,6 @@ async def metrics(ctx: ServerContext = Depends(get_context)) -> Response:
 @router.get("/v1/models")
 async def models(ctx: ServerContext = Depends(get_context)) -> dict:
     require_engine(ctx)
+    # Names only: an adapter's root is its name, never its directory (responses.py).
     return r.model_list(ctx.served_model_name, ctx.engine.config.max_model_len, ctx.created,
-                        ctx.loras.values())  # fmt: skip
+                        lora_resolver.served_adapters(ctx))  # fmt: skip

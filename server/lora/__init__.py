@@ -2,7 +2,8 @@
 
 adapter.py reads and checks a PEFT adapter against the base model, registry.py holds the
 loaded ones (bounded by max_cpu_loras), slots.py keeps up to max_loras of them in device
-tensors and adds their low-rank products to a step's projections."""
+tensors and adds their low-rank products to a step's projections; resolver.py finds an
+adapter by its name in --lora-resolver-dir."""
 
 
 class LoRAError(ValueError):
@@ -11,6 +12,10 @@ class LoRAError(ValueError):
 
 class LoRANotFound(LoRAError):
     """No adapter of that name is loaded; the server answers 404."""
+
+
+class LoRAFull(LoRAError):
+    """max_cpu_loras adapters are loaded already: another loads once one is unloaded."""
 
 
 class LoRAInUse(LoRAError):

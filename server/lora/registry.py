@@ -1,7 +1,7 @@
 """The adapters a server has loaded, by name: at most max_cpu_loras, held in host memory
 so that activating one for a step never reads a file or fails."""
 
-from batchpilot.server.lora import LoRAError, LoRANotFound
+from batchpilot.server.lora import LoRAError, LoRAFull, LoRANotFound
 from batchpilot.server.lora.adapter import LoRAAdapter, load_adapter
 
 
@@ -18,7 +18,7 @@ class LoRARegistry:
         if name in self.adapters:
             raise LoRAError(f"The lora adapter '{name}' has already been loaded.")
         if len(self.adapters) >= self.capacity:
-            raise LoRAError(f"{self.capacity} adapters are loaded, the most --max-cpu-loras "
+            raise LoRAFull(f"{self.capacity} adapters are loaded, the most --max-cpu-loras "
                             "allows; unload one first")  # fmt: skip
         adapter = load_adapter(name, path, self.shapes, self.num_layers, self.max_rank)
         self.adapters[name] = adapter

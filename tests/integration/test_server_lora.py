@@ -152,11 +152,14 @@ def test_load_and_unload_over_the_admin_port(server, paths, expected):
     assert_error(admin_post(server, "load_lora_adapter", load, headers={}), 401)
     bad = [{"lora_name": "x", "lora_path": paths["corrupt"]},
            {"lora_name": "x", "lora_path": paths["mismatch"]},
-           {"lora_name": "x", "lora_path": paths["late"] + "/missing"},
            {"lora_name": "a b", "lora_path": paths["late"]},
            {"lora_name": "sql", "lora_path": paths["late"]}]  # fmt: skip
     for body in bad:
         assert_error(admin_post(server, "load_lora_adapter", body), 400)
+    # vLLM's 404 for a path that holds no adapter (test_server_lora_resolver.py has the
+    # bodies word for word).
+    missing = {"lora_name": "x", "lora_path": paths["late"] + "/missing"}
+    assert_error(admin_post(server, "load_lora_adapter", missing), 404)
     r = admin_post(server, "load_lora_adapter", load)
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'late' added successfully."
     assert tokens_of(complete(server, "late")) == expected("late")

@@ -348,6 +348,7 @@ def test_every_flag_the_operator_sets_is_managed_and_so_is_its_negation(monkeypa
         {
             "engine": {"maxNumSeqs": 8, "enablePrefixCaching": False, "maxLoras": 2},
             "adapters": [{"name": "sql", "source": "pvc://adapters/sql"}],
+            "adapterResolver": {"source": "pvc://adapters/more"},
             "tuning": {"enabled": True},
             "resources": {"requests": {"cpu": "2"}},
         }
