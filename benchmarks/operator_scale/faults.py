@@ -33,8 +33,12 @@ class ApiServerRestart:
         self.before: dict[str, str] = {}
         self.down_s = 0.0
 
-    def inject(self) -> None:
-        """Note the Deployments made so far, then stop and start kube-apiserver."""
+    def inject(self, services: int, timeout: float = 300) -> None:
+        """Once the operator has made half the services' Deployments (the rest mid-way),
+        note them, then stop and start kube-apiserver."""
+        deadline = time.monotonic() + timeout
+        while len(self.deployments()) < services // 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
         self.before = self.deployments()
         t0 = time.monotonic()
         self.cluster.restart("kube-apiserver", timeout=300)
@@ -54,8 +58,8 @@ class ApiServerRestart:
         rolled = sorted(n for n, count in per_deployment.items() if count != 1)
         off_count = sorted(n for n in after if pods_per_service.get(n, 0) != replicas)
         return {
-            "fault": "kube-apiserver stopped (SIGTERM) and started again right after the "
-            "last create, while the services reconciled",
+            "fault": "kube-apiserver stopped (SIGTERM) and started again once half the "
+            "services had their Deployment, the rest mid-reconcile",
             "apiserver_restart_s": round(self.down_s, 1),
             "deployments_before_restart": len(self.before),
             "deployments_after": len(after),

@@ -137,7 +137,7 @@ class Point:
         applied_s = time.monotonic() - t0
         fault = faults.ApiServerRestart(cluster, self.api) if plan.restart_apiserver else None
         if fault is not None:
-            fault.inject()
+            fault.inject(plan.services)
         ready_s, peak_rss, times = self._wait_ready(pid, t0)
         reconcile_cpu = (measure.cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
         time.sleep(plan.settle_seconds)
