@@ -81,9 +81,7 @@ class EngineConfig:
     linear_backend: str = knob("auto", "auto: on CPUs in float32, oneDNN's linear with the "
                                "weights prepacked at load where a timing at start-up finds "
                                "it faster than torch's (cached per machine), else torch's; "
-                               "in bfloat16 with AVX512-BF16, a GEMV kernel for steps of up "
-                               "to 8 rows, torch's above; torch and onednn (CPU only) force "
-                               "one",
+                               "torch and onednn (CPU only) force one",
                                choices=("auto", "torch", "onednn"))  # fmt: skip
     # On by default, as in vLLM (whose --enforce-eager turns them off): on an H200 one
     # stream decoded 13x faster with them (benchmarks/README.md, GPU). No effect on CPUs.
