@@ -1,7 +1,7 @@
 """spec.adapterResolver (vLLM's filesystem LoRA resolver from a volume): the schema, the pod
 template (the claim mounted read-only, --lora-resolver-dir, LoRA on) and a missing claim's
 Degraded, through the builders and the reconciler against the fake API of
-test_operator_reconciler."""
+tests/support/fake_kube.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from batchpilot.operator.crd import manifests
 from batchpilot.operator.crd.spec import SpecError, parse_spec
 from batchpilot.operator.flags import LORA_RESOLVER_DIR
 from batchpilot.operator.reconcile import Reconciler
-from tests.unit.test_operator_reconciler import KEY, NS, FakeKube, conds
+from tests.support.fake_kube import KEY, NS, FakeKube, conds
 
 OWNER = Owner("chat", "ns", "uid-1")
 MODEL = {"source": "pvc://models/base", "name": "base"}

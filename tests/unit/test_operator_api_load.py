@@ -20,8 +20,8 @@ from batchpilot.operator.loop.timer import LoopTimer
 from batchpilot.operator.loop.turn import ClosedLoop
 from batchpilot.operator.reconcile import Reconciler
 from batchpilot.operator.remembered import Deployments, Resyncs
-from tests.unit.test_operator_reconciler import KEY as ADMIN_KEY
-from tests.unit.test_operator_reconciler import NS, FakeKube, QueuedSource
+from tests.support.fake_kube import KEY as ADMIN_KEY
+from tests.support.fake_kube import NS, FakeKube, QueuedSource
 
 KEY = (NS, "chat")
 
