@@ -15,6 +15,8 @@ import secrets
 import threading
 from collections.abc import Mapping
 
+import kopf
+
 from batchpilot.operator import drift, ownership, status
 from batchpilot.operator.children.autoscaler import autoscaler_kind
 from batchpilot.operator.children.build import build_children, stale_kinds
@@ -63,6 +65,16 @@ def controller_owner(body: Mapping) -> tuple[str, str] | None:
         if ours and ref.get("controller"):
             return body["metadata"]["namespace"], ref["name"]
     return None
+
+
+def about(body: dict, logger):
+    """A kopf logger bound to this InferenceService, whatever triggered the reconcile (a
+    child's watch event, a loop turn): its lines name the object they are about. Events
+    are posted explicitly (post_event), so this one posts none."""
+    settings = (getattr(logger, "extra", None) or {}).get("settings")
+    if not isinstance(logger, kopf.ObjectLogger) or settings is None:
+        return logger
+    return kopf.LocalObjectLogger(body=body, settings=settings)
 
 
 def _api_message(e: ApiException) -> str:
@@ -123,7 +135,7 @@ class Reconciler:
                 return
             if body["metadata"].get("deletionTimestamp"):
                 return  # owner references and the garbage collector remove the children
-            self._reconcile(body, logger)
+            self._reconcile(body, about(body, logger))
 
     def resync_by_name(self, namespace: str, name: str, body: dict, logger=log) -> None:
         """The timer's check: a full reconcile unless the last one found nothing wrong, was

@@ -306,3 +306,19 @@ def test_api_requests_are_counted_by_verb_and_code():
     with pytest.raises(ConnectionRefusedError):
         kube._call("get", "down")
     assert {c: count(c) - before[c] for c in before} == {"200": 1, "404": 1, "error": 1}
+
+
+def test_a_reconcile_a_child_event_triggers_logs_about_the_inference_service(rec, caplog):
+    """Its "Applied" line names the InferenceService, not the PDB whose event ran it (a
+    CI run saw a standby's first reconcile attributed to the PDB)."""
+    import kopf
+
+    kube = rec.kube
+    kube.add_isvc("chat", {})
+    pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+           "metadata": {"name": "chat", "namespace": NS, "uid": "u-pdb"}}  # fmt: skip
+    child_logger = kopf.LocalObjectLogger(body=pdb, settings=kopf.OperatorSettings())
+    with caplog.at_level(logging.INFO, logger="kopf.objects"):
+        rec.reconcile_by_name(NS, "chat", child_logger)
+    (applied,) = [r for r in caplog.records if r.getMessage().startswith("Applied generation")]
+    assert applied.k8s_ref["kind"] == "InferenceService" and applied.k8s_ref["name"] == "chat"
