@@ -73,6 +73,16 @@ def fingerprint(status: dict) -> str:
     return json.dumps(plain(loop), sort_keys=True)
 
 
+def reconcile_inputs(status: dict, now: float) -> tuple:
+    """What the reconcile builds from in the loop's status: the decisions the children
+    carry, and the loop's conditions (LoopBlind, PlantDegraded)."""
+    return (
+        LoopState.from_status(status),
+        bool((status.get("metrics") or {}).get("loopBlind")),
+        plant_degraded(status, now),
+    )
+
+
 def milestones(status: dict, now: float) -> tuple:
     """What in the loop's status others act on or read as a decision."""
     tuning = status.get("tuning") or {}
@@ -80,9 +90,7 @@ def milestones(status: dict, now: float) -> tuple:
     history = tuning.get("history") or [{}]
     scaling = status.get("autoscaling") or {}
     return (
-        LoopState.from_status(status),
-        bool((status.get("metrics") or {}).get("loopBlind")),
-        plant_degraded(status, now),
+        *reconcile_inputs(status, now),
         (experiment.get("kind"), experiment.get("started"), experiment.get("canary")),
         len(tuning.get("verdicts") or []),
         history[-1].get("time"),

@@ -31,11 +31,10 @@ from batchpilot.operator.loop.admin_client import AdminClient
 from batchpilot.operator.loop.idle import WAKE_ANNOTATION
 from batchpilot.operator.loop.scrape import PodMetricsSource, ReplicaSource, UrlMetricsSource
 from batchpilot.operator.loop.state import LoopState
-from batchpilot.operator.loop.status_memory import StatusMemory
+from batchpilot.operator.loop.status_memory import StatusMemory, merge_patch, reconcile_inputs
 from batchpilot.operator.loop.timestamps import maybe_timestamp
 from batchpilot.operator.loop.tuner_state import EngineSettings
 from batchpilot.operator.loop.turn import ClosedLoop, LoopOutcome
-from batchpilot.operator.status import plant_degraded
 
 if TYPE_CHECKING:
     from batchpilot.operator.reconcile import Reconciler
@@ -218,12 +217,7 @@ class LoopTimer:
             logger.info("%s: %s", reason, message)
             warning = reason.endswith("Failed") or reason in WARNING_REASONS
             post_event(body, "Warning" if warning else "Normal", reason, message)
-        # The patch replaces whole top-level keys, so this is the status it leaves.
-        after = {**status, **outcome.status_patch}
-        was_blind = bool((status.get("metrics") or {}).get("loopBlind"))
-        if (
-            LoopState.from_status(status) != LoopState.from_status(after)
-            or was_blind != bool(outcome.blind)
-            or plant_degraded(status, now) != plant_degraded(after, now)
-        ):  # new settings or replicas for the children, or a loop condition flips
+        after = merge_patch(status, outcome.status_patch)
+        if reconcile_inputs(status, now) != reconcile_inputs(after, now):
+            # New settings or replicas for the children, or a loop condition flips.
             await asyncio.to_thread(self.rec.reconcile_by_name, ns, name, logger)

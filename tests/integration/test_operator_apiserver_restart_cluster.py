@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from kubernetes import client
-from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.operator_scale.faults import counter_by
 from tests.k8s import cluster as k8s_cluster
 from tests.support.cluster import (
     PROCESS_TIMEOUT,
@@ -50,14 +50,7 @@ def resynced(log: Path, offset: int) -> set[str]:
 def operator_counts(metrics_url: str, name: str, label: str) -> dict[str, float]:
     """A counter of the operator's /metrics, summed by one label."""
     with urllib.request.urlopen(metrics_url, timeout=10) as resp:
-        text = resp.read().decode()
-    counts: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                key = sample.labels[label]
-                counts[key] = counts.get(key, 0) + sample.value
-    return counts
+        return counter_by(resp.read().decode(), name, label)
 
 
 def all_ready(api: Api, names: list[str]) -> bool:

@@ -76,10 +76,15 @@ def test_figures_are_held_and_written_once_per_interval():
     assert stored["metrics"]["waiting"] == 4
 
 
-def test_a_milestone_or_an_event_is_written_in_its_turn_with_everything_held():
+def first_write() -> tuple[Clock, StatusMemory, dict]:
+    """A memory after its first turn (always written) and the status that write left."""
     clock = Clock()
     memory = StatusMemory(60, clock)
-    stored = merge_patch({}, memory.record(KEY, {}, figures(1, "t0"), False, 0.0))
+    return clock, memory, merge_patch({}, memory.record(KEY, {}, figures(1, "t0"), False, 0.0))
+
+
+def test_a_milestone_or_an_event_is_written_in_its_turn_with_everything_held():
+    clock, memory, stored = first_write()
     clock.now += 15
     held = memory.record(KEY, memory.current(KEY, stored), figures(2, "t1"), False, 0.0)
     assert held is None
@@ -95,9 +100,7 @@ def test_a_milestone_or_an_event_is_written_in_its_turn_with_everything_held():
 
 
 def test_someone_elses_write_wins_over_what_is_held_and_the_next_turn_writes():
-    clock = Clock()
-    memory = StatusMemory(60, clock)
-    stored = merge_patch({}, memory.record(KEY, {}, figures(1, "t0"), False, 0.0))
+    clock, memory, stored = first_write()
     clock.now += 15
     assert memory.record(KEY, memory.current(KEY, stored), figures(2, "t1"), False, 0.0) is None
     # Another replica of the operator (or a person) writes the loop's keys meanwhile.
@@ -109,9 +112,7 @@ def test_someone_elses_write_wins_over_what_is_held_and_the_next_turn_writes():
 
 
 def test_a_watch_that_lags_behind_own_writes_still_reads_as_own():
-    clock = Clock()
-    memory = StatusMemory(60, clock)
-    first = merge_patch({}, memory.record(KEY, {}, figures(1, "t0"), False, 0.0))
+    clock, memory, first = first_write()
     clock.now += 61
     second = memory.record(KEY, memory.current(KEY, first), figures(2, "t1"), False, 0.0)
     assert second is not None
