@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 export BATCHPILOT_CACHE ?= $(HOME)/.cache/batchpilot
 PYTEST_ARGS ?=
 
-.PHONY: run test venv lint format unit slow cluster k8s-bins crds bench clean image-server image-operator \
+.PHONY: run test venv kernels lint format unit slow cluster k8s-bins crds bench clean image-server image-operator \
 	chart kind-toolchain kind-gie kind-images kind-cluster kind-delete kind
 
 # .venv is rebuilt only when pyproject.toml changes; pip's own cache makes a rebuild cheap.
@@ -21,10 +21,15 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-run: venv
+# The C++ CPU kernels, built once ahead of time (a cached build only loads) so that no
+# server start and no test waits for the compiler.
+kernels: venv
+	$(BIN)/batchpilot kernels
+
+run: venv kernels
 	$(BIN)/batchpilot serve --host 127.0.0.1 --port 8000
 
-test: venv k8s-bins lint
+test: venv kernels k8s-bins lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 lint: venv

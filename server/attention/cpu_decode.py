@@ -11,8 +11,6 @@ Whether it or torch decodes is measured at start-up: cpu_decode_choice.py."""
 import functools
 import logging
 
-import torch
-
 from batchpilot.server.platform import timing_cache
 
 log = logging.getLogger("batchpilot.engine")
@@ -57,14 +55,21 @@ void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* tables,
   // more than that already, so they keep the faster float accumulators.
   using acc_t = std::conditional_t<std::is_same_v<T, float>, double, float>;
   std::vector<acc_t> qf(group * dim), kf(dim), acc(group * dim), scores;
+  std::vector<int64_t> slot_of;
   for (int64_t job = begin; job < end; ++job) {
     const int64_t s = job / kv_heads, h = job % kv_heads, len = lens[s];
     const T* qs = q + (s * heads + h * group) * dim;
     for (int64_t i = 0; i < group * dim; ++i) qf[i] = static_cast<acc_t>(qs[i]) * scale;
     scores.assign(group * len, acc_t(0));
+    // Each position's cache slot, once per task: a 64-bit division per position and
+    // pass cost more than the dot products at a few hundred tokens of context.
+    slot_of.resize(len);
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+      const int64_t base = tables[s * width + t0 / block_size] * block_size - t0;
+      for (int64_t t = t0; t < std::min(len, t0 + block_size); ++t) slot_of[t] = base + t;
+    }
     for (int64_t t = 0; t < len; ++t) {
-      const int64_t slot = tables[s * width + t / block_size] * block_size + t % block_size;
-      const T* kr = kc + (h * slots + slot) * dim;
+      const T* kr = kc + (h * slots + slot_of[t]) * dim;
       for (int64_t d = 0; d < dim; ++d) kf[d] = static_cast<acc_t>(kr[d]);
       for (int64_t g = 0; g < group; ++g) {
         acc_t dot = 0;
@@ -82,8 +87,7 @@ void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* tables,
     }
     std::fill(acc.begin(), acc.end(), acc_t(0));
     for (int64_t t = 0; t < len; ++t) {
-      const int64_t slot = tables[s * width + t / block_size] * block_size + t % block_size;
-      const T* vr = vc + (h * slots + slot) * dim;
+      const T* vr = vc + (h * slots + slot_of[t]) * dim;
       for (int64_t d = 0; d < dim; ++d) kf[d] = static_cast<acc_t>(vr[d]);
       for (int64_t g = 0; g < group; ++g) {
         const acc_t p = scores[g * len + t];
@@ -118,8 +122,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
 
 # -march=native vectorizes the float loops for this CPU, and the reassociation flags let
-# the compiler vectorize the dot products' sums.
-CFLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+# the compiler vectorize the dot products' sums. -fopenmp: without it at::parallel_for
+# runs every (sequence, KV head) task on one thread.
+FAST_SUMS = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+CFLAGS = ["-O3", "-march=native", *FAST_SUMS, "-fopenmp"]
 
 
 @functools.cache
@@ -133,7 +139,7 @@ def load():
         log.info("building the CPU decode attention kernel (cached after the first time)")
         name = f"batchpilot_cpu_decode_{timing_cache.flags_digest()}"
         return load_inline(name, cpp_sources=SOURCE, functions=["paged_decode"],
-                           extra_cflags=CFLAGS)  # fmt: skip
+                           extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])  # fmt: skip
     except Exception as exc:  # any build failure: the torch path is always correct
         log.warning("CPU decode attention kernel unavailable, using torch: %s", exc)
         return None
@@ -142,8 +148,3 @@ def load():
 def paged_decode(q, k_cache, v_cache, tables, lens, block_size: int, scale: float):
     """q: [n, heads, dim]; caches [kv_heads, slots, dim]; tables [n, width]; lens [n]."""
     return load().paged_decode(q, k_cache, v_cache, tables, lens, block_size, scale)
-
-
-def usable(kv, q: torch.Tensor) -> bool:
-    """On CPU, with K/V stored in the model dtype (FP8 caches dequantize in torch)."""
-    return q.device.type == "cpu" and not kv.is_fp8 and load() is not None

@@ -23,7 +23,7 @@ class DecodeBucket:
     start: int  # first decode row
     end: int
     blocks: torch.Tensor  # [seqs, max_blocks]
-    mask: torch.Tensor  # [1, seqs, 1, max_blocks * block_size]
+    mask: torch.Tensor | None  # [1, seqs, 1, max_blocks * block_size]; None for the kernel
     context_lens: torch.Tensor  # [seqs]: the CPU kernel reads only these positions
 
 
@@ -82,15 +82,18 @@ def build_metadata(seqs: list[tuple[list[int], int, int]], num_decodes: int, blo
         cpu_kernel=cpu_kernel,
     )  # fmt: skip
     decodes, prefills = seqs[:num_decodes], seqs[num_decodes:]
-    for start, end in _buckets([start + n for _, start, n in decodes], block_size):
-        group = decodes[start:end]
-        ctx = [s + n for _, s, n in group]
-        blocks, pos = _block_table([t for t, _, _ in group], ctx, block_size)
+    context_lens = [start + n for _, start, n in decodes]
+    # The kernel reads each sequence's own context length, so padding costs it nothing:
+    # one call for every decode, and no mask.
+    ranges = [(0, num_decodes)] if cpu_kernel and decodes else _buckets(context_lens, block_size)
+    for start, end in ranges:
+        ctx = context_lens[start:end]
+        blocks, pos = _block_table([t for t, _, _ in decodes[start:end]], ctx, block_size)
         lens = torch.tensor(ctx)
-        mask = _additive((pos[None, :] < lens[:, None])[None, :, None, :], dtype)
-        meta.decode_buckets.append(
-            DecodeBucket(start, end, blocks.to(device), mask.to(device), lens.to(device))
-        )
+        mask = None if cpu_kernel else _additive((pos < lens[:, None])[None, :, None, :], dtype)
+        meta.decode_buckets.append(DecodeBucket(start, end, blocks.to(device),
+                                                mask if mask is None else mask.to(device),
+                                                lens.to(device)))  # fmt: skip
     row = num_decodes
     for table, start, n in prefills:
         chunk = PrefillChunk(row, n, None, None)

@@ -22,11 +22,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCac
     num_tokens, num_heads, dim = q.shape
     kv_heads = k.shape[1]
     group = num_heads // kv_heads
+    # meta.cpu_kernel is set only where the kernel is built and K/V are in the model
+    # dtype (cpu_decode_choice), and then its one bucket holds every decode.
+    if meta.cpu_kernel and not meta.prefills and meta.decode_buckets:  # a decode-only step
+        bucket = meta.decode_buckets[0]
+        return cpu_decode.paged_decode(q, kv.k[layer], kv.v[layer], bucket.blocks,
+                                       bucket.context_lens, kv.block_size, scale)  # fmt: skip
     out = q.new_empty(num_tokens, num_heads * dim)
-    in_place = meta.cpu_kernel and bool(meta.decode_buckets) and cpu_decode.usable(kv, q)
     for bucket in meta.decode_buckets:
         n = bucket.end - bucket.start
-        if in_place:  # reads the blocks where they are: no gathered copy
+        if meta.cpu_kernel:  # reads the blocks where they are: no gathered copy
             out[bucket.start : bucket.end] = cpu_decode.paged_decode(
                 q[bucket.start : bucket.end], kv.k[layer], kv.v[layer], bucket.blocks,
                 bucket.context_lens, kv.block_size, scale,

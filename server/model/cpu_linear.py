@@ -9,7 +9,8 @@ both on the model's own weights when a float32 CPU engine starts, keeps the verd
 (server/platform/timing_cache.py) and swaps the decoder layers' projections only where oneDNN wins.
 
 The packed weight replaces the dense one, so memory does not grow. The lm_head stays
-dense: when tied, the embedding lookup reads the same tensor."""
+dense: when tied, the embedding lookup reads the same tensor. bfloat16 models go to
+cpu_gemv's kernel instead, where it builds (the runner asks it first)."""
 
 import logging
 import os
@@ -60,7 +61,8 @@ def prepacked_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
 def apply(model, requested: str) -> str:
     """The linear path of a CPU model ("onednn" or "torch"), with the decoder layers'
     projections swapped to it. requested is the linear_backend knob: torch and onednn
-    force a path; auto takes oneDNN's only for float32 and only where it times faster."""
+    force a path; auto takes oneDNN's only for float32 and only where it times faster
+    (bf16 under auto goes to cpu_gemv first, where its kernel builds)."""
     dtype = model.lm_head.weight.dtype
     if requested == "torch":
         return "torch"

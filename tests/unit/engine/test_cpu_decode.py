@@ -165,3 +165,16 @@ def test_the_runner_decodes_through_the_chosen_path(
     assert bool(kernel_calls) == (used == "cpu_kernel")
     for out in outs:  # greedy equals transformers either way
         assert out.outputs[0].token_ids == hf_greedy(out.prompt_token_ids, 8)
+
+
+@pytest.mark.parametrize("condition", ["chunked_prefill", "preempt_swap"])
+def test_the_kernel_keeps_greedy_equal_to_transformers_in_mixed_steps(tiny_model, hf_greedy,
+                                                                      condition):  # fmt: skip
+    """Steps that decode some sequences while prefilling others, and sequences swapped out
+    and back in: the kernel's one bucket of decodes beside the torch path's prefills."""
+    from tests.support.engine import CONDITIONS
+
+    llm, outs = generate(tiny_model, attention_backend="cpu_kernel", **CONDITIONS[condition])
+    assert llm.engine.runner.attention_backend == "cpu_kernel"
+    for out in outs:
+        assert out.outputs[0].token_ids == hf_greedy(out.prompt_token_ids, 8)
