@@ -9,6 +9,14 @@ import sys
 SUBCOMMANDS = {
     "serve": ("batchpilot.server.api.cli", "serve the OpenAI-compatible API for one model"),
     "bench": ("batchpilot.server.bench.cli", "offline, online and sweep benchmarks"),
+    "model": (
+        "batchpilot.server.model.cache_fill",
+        "model files: `model cache` fills a model cache directory once",
+    ),
+    "kernels": (
+        "batchpilot.server.platform.cpu_kernels",
+        "build the CPU kernels ahead of time, so no server start waits for a compiler",
+    ),
     "operator": ("batchpilot.operator.cli", "run the Kubernetes operator or print its CRDs"),
     "activator": (
         "batchpilot.operator.activator.cli",

@@ -21,6 +21,7 @@ from batchpilot.operator.crd.api import API_VERSION, GROUP, KIND, PLURAL, VERSIO
 from batchpilot.operator.kube import load_configuration
 from batchpilot.operator.loop.idle import WAKE_ANNOTATION
 from batchpilot.operator.loop.timer import LoopTimer, adapters_wanted, loop_wanted
+from batchpilot.operator.model_cache import settled
 from batchpilot.operator.reconcile import Reconciler, controller_owner
 from batchpilot.operator.shard import Shard
 
@@ -39,6 +40,7 @@ WATCHED_KINDS = [
     ("v1", "Service"),
     ("v1", "ConfigMap"),
     ("policy/v1", "PodDisruptionBudget"),
+    ("batch/v1", "Job"),
 ]
 
 
@@ -57,6 +59,7 @@ def configure_settings(settings: kopf.OperatorSettings, config: OperatorConfig) 
         "services",
         "configmaps",
         ("policy", "poddisruptionbudgets"),
+        ("batch", "jobs"),
     ):
         settings.watching.label_selectors[resource] = MANAGED_SELECTOR
     # Kopf's bookkeeping lives in batchpilot.dev annotations, never in our status.
@@ -216,3 +219,11 @@ def _register_children(registry: kopf.OperatorRegistry, rec: Reconciler, shard: 
     @kopf.on.event("policy", "v1", "poddisruptionbudgets", id="child", **child)
     def child_event(event: dict, body: kopf.Body, logger: Any, **_: Any) -> None:
         rec.on_child_event(event.get("type"), plain(body), logger)
+
+    # A model cache's fill Job that finished starts the pods (or marks the service Degraded).
+    @kopf.on.event("batch", "v1", "jobs", id="model-cache", **child)
+    def job_event(event: dict, body: kopf.Body, logger: Any, **_: Any) -> None:
+        job = plain(body)
+        owner = controller_owner(job)
+        if owner is not None and settled(event.get("type"), job):
+            rec.reconcile_by_name(*owner, logger)

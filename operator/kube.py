@@ -190,17 +190,27 @@ class Kube:
             raise
 
     def delete(
-        self, api_version: str, kind: str, namespace: str, name: str, preconditions: dict
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        preconditions: dict,
+        propagation: str | None = None,
     ) -> bool:
         """Delete if present and still as checked (``preconditions``: its uid and
-        resourceVersion; 409 otherwise); whether something was deleted."""
+        resourceVersion; 409 otherwise); whether something was deleted. ``propagation``:
+        what becomes of its dependents (a Job's pods are orphaned unless "Background")."""
+        body: dict = {"preconditions": preconditions}
+        if propagation:
+            body["propagationPolicy"] = propagation
         try:
             self._call(
                 "delete",
                 self.resource(api_version, kind),
                 name=name,
                 namespace=namespace,
-                body={"preconditions": preconditions},
+                body=body,
             )
         except ApiException as e:
             if e.status == 404:

@@ -38,11 +38,18 @@ RULES: list[dict] = [
     # the operator's (its own only, checked by uid), made from the activator Service's.
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
      "verbs": [*CHILD_VERBS, "delete"]},
+    # The model cache's fill Jobs (spec.model.cache): watched for their end; one left from
+    # an earlier source or image is deleted (only the service's own, checked by uid).
+    # Never patched: a Job's pod template cannot change, a new one is a new Job.
+    {"apiGroups": ["batch"], "resources": ["jobs"],
+     "verbs": ["get", "list", "watch", "create", "delete"]},
     # The closed loop scrapes the Ready pods of each service.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
-    # Checked before building: the model's claim and the pods' ServiceAccount exist.
-    {"apiGroups": [""], "resources": ["persistentvolumeclaims", "serviceaccounts"],
-     "verbs": ["get"]},
+    # Checked before building: the model's claim and the pods' ServiceAccount exist. A model
+    # cache's claim is created when absent, and never changed or deleted: no patch, update
+    # or delete.
+    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get", "create"]},
+    {"apiGroups": [""], "resources": ["serviceaccounts"], "verbs": ["get"]},
     # Events on the InferenceServices.
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
     # Kopf: peering between replicas, namespace globs, and discovery of the CRDs it serves.

@@ -1,7 +1,8 @@
 """The reconcile: one idempotent function, ``Reconciler.reconcile``, does all the work for
-an InferenceService: validate the spec, build the children (children/), check that every
-existing object of their names is its own (ownership.py), create or server-side apply them
-under one field manager, and write the status (status.py). The kopf handlers (handlers.py)
+an InferenceService: validate the spec, wait for its model cache's fill (model_cache.py),
+build the children (children/), check that every existing object of their names is its
+own (ownership.py), create or server-side apply them under one field manager, and write
+the status (status.py). The kopf handlers (handlers.py)
 run it on create, update and resume, when a child is deleted or edited by hand (watch
 events), and on a timer (``resync_by_name``: drift correction every ``resync_interval``).
 A Deployment's status changes refresh the owner's status only.
@@ -9,7 +10,6 @@ A Deployment's status changes refresh the owner's status only.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import threading
@@ -18,10 +18,11 @@ from collections.abc import Mapping
 import kopf
 
 from batchpilot.operator import drift, ownership, status
+from batchpilot.operator.api_errors import permanent_problem
 from batchpilot.operator.children.autoscaler import autoscaler_kind
 from batchpilot.operator.children.build import build_children, stale_kinds
 from batchpilot.operator.children.meta import Owner
-from batchpilot.operator.children.plan import adapter_claims, desired_replicas, plan_model
+from batchpilot.operator.children.plan import adapter_claims, desired_replicas, source_claim
 from batchpilot.operator.children.pod import (
     LABEL_SA_ALLOWED,
     service_account_allowed,
@@ -43,19 +44,11 @@ from batchpilot.operator.crd.api import GROUP, KIND
 from batchpilot.operator.crd.spec import InferenceServiceSpec, SpecError, check_name, parse_spec
 from batchpilot.operator.kube import ApiException, Kube, new_api_client, post_event
 from batchpilot.operator.loop.state import LoopState
+from batchpilot.operator.model_cache import ensure_cache
 from batchpilot.operator.remembered import Deployments, Resyncs
-from batchpilot.operator.status import Problem
+from batchpilot.operator.status import CacheState, Problem
 
 log = logging.getLogger("batchpilot.operator")
-
-# Apply errors that retrying the same spec will not fix: they become Degraded, not retries.
-# 422: the API server rejected a child built from the spec; 400/403: a malformed request or
-# missing RBAC. Anything else (409 on a concurrent change, 5xx, timeouts) is retried by kopf.
-_PERMANENT_APPLY_STATUSES = {
-    422: status.INVALID_SPEC,
-    400: status.APPLY_FAILED,
-    403: status.APPLY_FAILED,
-}
 
 
 def controller_owner(body: Mapping) -> tuple[str, str] | None:
@@ -75,13 +68,6 @@ def about(body: dict, logger):
     if not isinstance(logger, kopf.ObjectLogger) or settings is None:
         return logger
     return kopf.LocalObjectLogger(body=body, settings=settings)
-
-
-def _api_message(e: ApiException) -> str:
-    try:
-        return json.loads(e.body or "{}").get("message") or str(e.reason)
-    except (ValueError, AttributeError):
-        return f"{e.status} {e.reason}"
 
 
 class Reconciler:
@@ -163,12 +149,16 @@ class Reconciler:
         ns, name, generation = meta["namespace"], meta["name"], meta.get("generation", 1)
         prev = body.get("status") or {}
         self._resyncs.forget((ns, name))
-        url = deployment = None
+        url = deployment = cache = None
         spec, problem = self._check(body, ns)
         if spec is not None and problem is None:
+            cache, problem = self._cache(Owner.from_body(body), spec)
+        # Until the model cache is filled no pod is started: none made, none rolled.
+        waiting = cache is not None and not cache.ready
+        if spec is not None and problem is None and not waiting:
             deployment, problem = self._build(Owner.from_body(body), spec, prev, logger)
             url = service_url(name, ns, self.config.cluster_domain)
-        if problem is not None:
+        if problem is not None or waiting:
             deployment = self.owned_deployment(Owner.from_body(body))
             url = prev.get("url") if deployment is not None else None
         new = status.compute_status(
@@ -179,10 +169,21 @@ class Reconciler:
             problem=problem,
             url=url,
             to_activator=self._to_activator.get((ns, name), False),
+            cache=cache,
         )
-        self._write_status(body, prev, new, problem, logger)
-        if problem is None:
+        self._write_status(body, prev, new, problem is None and not waiting, logger)
+        if problem is None and not waiting:
             self._resyncs.good((ns, name), generation, LoopState.from_status(prev))
+
+    def _cache(
+        self, owner: Owner, spec: InferenceServiceSpec
+    ) -> tuple[CacheState | None, Problem | None]:
+        try:
+            return ensure_cache(self.kube, owner, spec, spec.image or self.config.server_image)
+        except ApiException as e:
+            if (problem := permanent_problem(e)) is None:
+                raise  # transient: kopf retries with backoff
+            return None, problem
 
     def _build(
         self, owner: Owner, spec: InferenceServiceSpec, prev: dict, logger
@@ -218,10 +219,9 @@ class Reconciler:
             written = {c["kind"]: self._write(c, found[c["kind"]], owner, logger) for c in others}
             self._delete_stale(owner, spec, to_activator=activator is not None)
         except ApiException as e:
-            if e.status not in _PERMANENT_APPLY_STATUSES:
+            if (problem := permanent_problem(e)) is None:
                 raise  # transient: kopf retries with backoff
-            reason = _PERMANENT_APPLY_STATUSES[e.status]
-            return None, Problem(reason, f"the API server rejected a child: {_api_message(e)}")
+            return None, problem
         for child in children:
             self._desired[(owner.namespace, child["kind"], child["metadata"]["name"])] = child
         if may_route_to_activator(spec) and self.config.activator_service:
@@ -319,7 +319,7 @@ class Reconciler:
         problems = spec_problems(spec)
         if problems:
             return spec, Problem(status.INVALID_SPEC, "; ".join(problems))
-        claim = plan_model(spec).pvc
+        claim = source_claim(spec)
         if claim and not self.kube.pvc_exists(ns, claim):
             return spec, Problem(
                 status.MODEL_SOURCE_NOT_FOUND,
@@ -382,9 +382,7 @@ class Reconciler:
             return self.owned_deployment(owner)
         return dep if ownership.controlled_by(dep, owner) else None
 
-    def _write_status(
-        self, body: dict, prev: dict, new: dict, problem: Problem | None, logger
-    ) -> None:
+    def _write_status(self, body: dict, prev: dict, new: dict, applied: bool, logger) -> None:
         meta = body["metadata"]
         if any(prev.get(k) != v for k, v in new.items()):
             self.kube.patch_isvc_status(meta["namespace"], meta["name"], new)
@@ -395,7 +393,7 @@ class Reconciler:
         ):
             logger.warning("Degraded (%s): %s", now.get("reason"), now.get("message"))
             post_event(body, "Warning", now["reason"], now["message"])
-        if problem is None and prev.get("observedGeneration") != new["observedGeneration"]:
+        if applied and status.newly_applied(prev, new):
             engine = new.get("engine") or {}
             message = (
                 f"generation {new['observedGeneration']}: image {new.get('image')}, "
@@ -463,6 +461,7 @@ class Reconciler:
             problem=status.kept_problem(prev, generation),
             url=prev.get("url"),
             to_activator=self._to_activator.get((ns, name), False),
+            cache=status.kept_cache(prev),
         )
         if any(prev.get(k) != v for k, v in new.items()):
             self.kube.patch_isvc_status(ns, name, new)

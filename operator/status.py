@@ -9,6 +9,8 @@ lastTransitionTime (kept while the status does not change) and observedGeneratio
 - Degraded: the spec cannot be applied as is (InvalidSpec, ModelSourceNotFound, ...), the
   Deployment reports ReplicaFailure or ProgressDeadlineExceeded, or a replica refused a LoRA
   adapter (AdapterFailed, from status.adapters).
+- ModelCacheReady (with spec.model.cache only): the fill Job has succeeded (Filled), runs
+  (Filling: no new pods until it is done) or has failed (Failed, also Degraded).
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 LOOP_BLIND = "LoopBlind"
 PLANT_DEGRADED = "PlantDegraded"
+MODEL_CACHE_READY = "ModelCacheReady"
+# ModelCacheReady's reasons; Ready and Progressing say MODEL_CACHE_FILLING while it fills.
+CACHE_FILLED = "Filled"
+CACHE_FILLING = "Filling"
+CACHE_FAILED = "Failed"
+MODEL_CACHE_FILLING = "ModelCacheFilling"
 
 # Problems the operator finds with the spec or with applying it. A status refresh from a Deployment event keeps
 # them for the generation they were found in; the next full reconcile re-evaluates them.
@@ -40,6 +48,7 @@ APPLY_FAILED = "ApplyFailed"  # the API server refused the children (RBAC, a bad
 AUTOSCALER_NOT_SERVED = "AutoscalerNotServed"  # mode keda without KEDA's CRDs
 INFERENCE_POOL_NOT_SERVED = "InferencePoolNotServed"  # routing.inferencePool without GIE's CRDs
 ADAPTER_SOURCE_NOT_FOUND = "AdapterSourceNotFound"  # an adapter's pvc:// claim is missing
+MODEL_CACHE_FAILED = "ModelCacheFailed"  # the fill Job failed: retried when it is deleted
 # A replica refused an adapter (status.adapters says which and why): not a spec problem,
 # the adapter sync retries it.
 ADAPTER_FAILED = "AdapterFailed"
@@ -55,6 +64,7 @@ SPEC_REASONS = frozenset(
         AUTOSCALER_NOT_SERVED,
         INFERENCE_POOL_NOT_SERVED,
         ADAPTER_SOURCE_NOT_FOUND,
+        MODEL_CACHE_FAILED,
     ]
 )
 
@@ -63,6 +73,33 @@ SPEC_REASONS = frozenset(
 class Problem:
     reason: str
     message: str
+
+
+@dataclass(frozen=True)
+class CacheState:
+    """The model cache as its fill Job shows it: ModelCacheReady's status, reason and
+    message."""
+
+    ready: bool
+    reason: str  # CACHE_FILLED, CACHE_FILLING or CACHE_FAILED
+    message: str
+
+
+def kept_cache(prev: dict | None) -> CacheState | None:
+    """The cache state the last reconcile recorded (a status refresh reads no Job)."""
+    c = find_condition(prev, MODEL_CACHE_READY)
+    if c is None:
+        return None
+    return CacheState(c.get("status") == "True", c.get("reason", ""), c.get("message", ""))
+
+
+def newly_applied(prev: dict | None, new: dict) -> bool:
+    """A generation's children written for the first time: a new generation, or the one
+    that waited for its model cache."""
+    was = find_condition(prev, PROGRESSING) or {}
+    return (prev or {}).get("observedGeneration") != new["observedGeneration"] or (
+        was.get("reason") == MODEL_CACHE_FILLING
+    )
 
 
 def now_rfc3339() -> str:
@@ -198,6 +235,24 @@ def progressing(d: DeploymentView | None, problem: Problem | None) -> tuple[bool
     )
 
 
+def waiting_ready(
+    d: DeploymentView | None, problem: Problem | None, to_activator: bool, filling: bool
+) -> tuple[bool, str, str]:
+    """Ready, or why not while the model cache fills before the first Deployment."""
+    if filling and d is None:
+        return False, MODEL_CACHE_FILLING, "no serving Deployment: the model cache is filling"
+    return ready(d, problem, to_activator)
+
+
+def waiting_progressing(
+    d: DeploymentView | None, problem: Problem | None, filling: bool
+) -> tuple[bool, str, str]:
+    """Progressing: a fill is a change under way (the Deployment, if any, waits for it)."""
+    if filling:
+        return True, MODEL_CACHE_FILLING, "the model cache is filling; the pods follow"
+    return progressing(d, problem)
+
+
 def adapter_failures(prev: dict | None) -> str | None:
     """The adapters some replica refused, from status.adapters (the adapter sync's), as one
     message; None when none failed."""
@@ -264,11 +319,13 @@ def compute_status(
     url: str | None,
     now: str | None = None,
     to_activator: bool = False,
+    cache: CacheState | None = None,
 ) -> dict:
     """The status to merge-patch. Fields owned by the loops (metrics, autoscaling, tuning)
     are left out, so a merge patch keeps them."""
     now = now or now_rfc3339()
     d = DeploymentView.of(deployment) if deployment else None
+    filling = cache is not None and cache.reason == CACHE_FILLING and problem is None
     status: dict = {
         "observedGeneration": generation,
         "replicas": d.replicas if d else 0,
@@ -276,13 +333,20 @@ def compute_status(
         "updatedReplicas": d.updated if d else 0,
         "selector": selector_string(name),
         "conditions": [
-            _condition(prev, READY, *ready(d, problem, to_activator), generation, now),
-            _condition(prev, PROGRESSING, *progressing(d, problem), generation, now),
+            _condition(
+                prev, READY, *waiting_ready(d, problem, to_activator, filling), generation, now
+            ),
+            _condition(
+                prev, PROGRESSING, *waiting_progressing(d, problem, filling), generation, now
+            ),
             _condition(
                 prev, DEGRADED, *degraded(d, problem, adapter_failures(prev)), generation, now
             ),
         ],
     }
+    if cache is not None:
+        state = (cache.ready, cache.reason, cache.message)
+        status["conditions"].append(_condition(prev, MODEL_CACHE_READY, *state, generation, now))
     blind = loop_blind(prev)
     if blind is not None:
         status["conditions"].append(_condition(prev, LOOP_BLIND, *blind, generation, now))

@@ -3,7 +3,9 @@ the replicas, and the engine with the loops' decisions applied within the spec's
 
 from __future__ import annotations
 
+import hashlib
 import posixpath
+import re
 from dataclasses import dataclass
 
 from batchpilot import names
@@ -13,6 +15,8 @@ from batchpilot.operator.crd.tuning import TokenRange
 from batchpilot.operator.loop.state import LoopState
 
 MODEL_MOUNT_ROOT = "/models"
+# Bumped when `batchpilot model cache` writes another layout: every cache is filled anew.
+CACHE_FORMAT = "1"
 
 
 @dataclass(frozen=True)
@@ -46,12 +50,48 @@ def resolve_source(source: str) -> tuple[str, str | None]:
     return path, claim
 
 
-def plan_model(spec: InferenceServiceSpec) -> ModelPlan:
+def source_claim(spec: InferenceServiceSpec) -> str | None:
+    """The claim of a pvc:// model source (it must exist); None for other sources."""
+    return resolve_source(spec.model.source)[1]
+
+
+def model_claim(spec: InferenceServiceSpec) -> str | None:
+    """The claim the replicas load the model from: the cache's, else a pvc:// source's."""
+    cache = spec.model.cache
+    return cache.claim_name if cache is not None else source_claim(spec)
+
+
+def cache_key(source: str, image: str) -> str:
+    """The directory of a model on a cache claim: a readable name and a hash of what the
+    fill reads. The image is in it because every source is read from the image (the
+    bundled model, its paths, its HF cache): a new image is filled anew, never served
+    from an older image's files. Services with the same source and image share one."""
+    digest = hashlib.sha256(f"{CACHE_FORMAT}\n{source}\n{image}".encode()).hexdigest()[:16]
+    name = names.DEFAULT_SERVED_MODEL_NAME if source == "bundled" else _default_name(source)
+    readable = re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-.")[:40] or "model"
+    return f"{readable}-{digest}"
+
+
+def cache_path(spec: InferenceServiceSpec, image: str) -> str | None:
+    """Where the model cache holds this service's model in the containers; None without
+    a cache."""
+    cache = spec.model.cache
+    if cache is None:
+        return None
+    return f"{MODEL_MOUNT_ROOT}/{cache.claim_name}/{cache_key(spec.model.source, image)}"
+
+
+def plan_model(spec: InferenceServiceSpec, image: str) -> ModelPlan:
+    """The server's model: from the cache when there is one (``image`` keys it)."""
     source = spec.model.source
+    served = spec.model.name
     if source == "bundled":
-        return ModelPlan("bundled", spec.model.name or names.DEFAULT_SERVED_MODEL_NAME)
-    path, claim = resolve_source(source)
-    return ModelPlan(path, spec.model.name or _default_name(path), pvc=claim)
+        served = served or names.DEFAULT_SERVED_MODEL_NAME
+        path = "bundled"
+    else:
+        path = resolve_source(source)[0]
+        served = served or _default_name(path)
+    return ModelPlan(cache_path(spec, image) or path, served, pvc=model_claim(spec))
 
 
 def plan_adapters(spec: InferenceServiceSpec) -> list[AdapterPlan]:
@@ -73,7 +113,7 @@ def adapter_claims(spec: InferenceServiceSpec) -> list[str]:
     """Claims the adapters (spec.adapters and spec.adapterResolver) need beyond the
     model's, each once, sorted: each is mounted, and one that is missing marks the service
     Degraded."""
-    model = plan_model(spec).pvc
+    model = model_claim(spec)
     claims = {p.pvc for p in plan_adapters(spec)}
     if (resolver := plan_adapter_resolver(spec)) is not None:
         claims.add(resolver[1])

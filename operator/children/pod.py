@@ -229,7 +229,7 @@ def build_container(
         "name": CONTAINER,
         "image": image,
         "command": ["batchpilot", "serve"],
-        "args": server_args(spec, engine, plan_model(spec)),
+        "args": server_args(spec, engine, plan_model(spec, image)),
         "ports": [
             {"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"},
             {"name": ADMIN_PORT_NAME, "containerPort": ADMIN_PORT, "protocol": "TCP"},
@@ -282,7 +282,7 @@ def build_pod_spec(spec: InferenceServiceSpec, container: dict, volumes: list) -
 def build_pod_template(
     owner: Owner, spec: InferenceServiceSpec, engine: EngineSpec, image: str, admin_token: str
 ) -> dict:
-    volumes, mounts = model_volumes(spec, plan_model(spec))
+    volumes, mounts = model_volumes(spec, plan_model(spec, image))
     # A new token rolls the pods (they read it at start): it is in a Secret of a new name.
     container = build_container(owner, spec, engine, image, mounts, admin_token)
     annotations = {**spec.pod.annotations, **scrape_annotations()}

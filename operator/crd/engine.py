@@ -8,11 +8,35 @@ from pydantic import Field
 
 from batchpilot import names
 from batchpilot.operator import flags
-from batchpilot.operator.crd.base import CamelModel, DNS1123Subdomain, Rule
+from batchpilot.operator.crd.base import CamelModel, DNS1123Subdomain, Quantity, Rule
 
 # A path in the container, a path on a PersistentVolumeClaim, or a pre-cached HF repo.
 _DIR_FORMS = r"/.+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?"
 _SOURCE_FORMS = _DIR_FORMS + r"|hf://[^/\s]+/[^\s]+"
+# A claim is mounted at /models/<claim>, as in pvc:// sources: a DNS-1123 label.
+_CLAIM_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class ModelCacheSpec(CamelModel):
+    """A PersistentVolumeClaim that a Job fills once per model (source and image) and that
+    every replica mounts read-only, loading the model from it."""
+
+    claim_name: str = Field(max_length=63, pattern=_CLAIM_NAME)
+    """The claim. Created by the operator when absent (labelled
+    app.kubernetes.io/managed-by=batchpilot-operator, with the fields below, and never
+    changed or deleted after); one that exists is used as it is."""
+
+    size: Quantity = "10Gi"
+    """The storage a created claim requests."""
+
+    storage_class_name: DNS1123Subdomain | None = None
+    """The storage class of a created claim. Default: the cluster's default class."""
+
+    access_modes: list[Literal["ReadWriteOnce", "ReadWriteMany"]] = Field(
+        default_factory=lambda: ["ReadWriteMany"], min_length=1, max_length=2
+    )
+    """The access modes of a created claim. ReadWriteMany lets replicas on every node mount
+    it; ReadWriteOnce only those on the node that mounted it first."""
 
 
 class ModelSpec(CamelModel):
@@ -26,6 +50,18 @@ class ModelSpec(CamelModel):
     """The model name clients send (`model` in OpenAI requests) and the `model_name` metric
     label. Default: smollm2-135m-instruct for the bundled model, else the source's last
     path component."""
+
+    cache: ModelCacheSpec | None = None
+    """Fill a claim with the model once and load it from there: replicas start only once
+    the fill Job has succeeded (condition ModelCacheReady). Not for pvc:// sources."""
+
+    rules = (
+        Rule(
+            cel="!has(self.cache) || !self.source.startsWith('pvc://')",
+            message="model.cache: a pvc:// source is on a claim already",
+            check=lambda m: m.cache is None or not m.source.startswith("pvc://"),
+        ),
+    )
 
 
 class EngineSpec(CamelModel):

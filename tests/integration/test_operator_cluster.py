@@ -722,7 +722,15 @@ def test_operator_runs_with_only_its_rbac_rules(api, k8s, tmp_path, monkeypatch)
         with operator(api) as runner:
             api.create("chat", {})
             api.create("weights", {"model": {"source": "pvc://weights/m"}})
+            # The model cache's claim and fill Job: created (no volume binds: it stays Filling).
+            api.create("cached", {"model": {"cache": {"claimName": "models"}}})
             wait_for("Ready as the ServiceAccount", lambda: api.ready("chat"), not_yet=not_found)
+            wait_for(
+                "a fill Job as the ServiceAccount",
+                lambda: "Job" in api.condition("cached", "ModelCacheReady").get("message", ""),
+                not_yet=not_found,
+            )
+            assert api.core.read_namespaced_persistent_volume_claim("models", api.ns)
             wait_for(
                 "Degraded as the ServiceAccount",
                 lambda: api.condition("weights", "Degraded").get("reason") == "ModelSourceNotFound",

@@ -99,7 +99,7 @@ class FakeKube:
     def serves(self, api_version, kind):
         return kind not in self.unserved
 
-    def delete(self, api_version, kind, namespace, name, preconditions):
+    def delete(self, api_version, kind, namespace, name, preconditions, propagation=None):
         assert self.serves(api_version, kind)
         self.calls.append(("delete", kind, name))
         live = self.objects.get((kind, namespace, name))
@@ -113,6 +113,17 @@ class FakeKube:
     def read(self, api_version, kind, namespace, name):
         self.calls.append(("read", kind, name))
         return copy.deepcopy(self.objects.get((kind, namespace, name)))
+
+    def list(self, api_version, kind, namespace, label_selector):
+        self.calls.append(("list", kind, label_selector))
+        want = dict(term.split("=", 1) for term in label_selector.split(","))
+        return [
+            copy.deepcopy(obj)
+            for (k, ns, _), obj in self.objects.items()
+            if k == kind
+            and ns == namespace
+            and want.items() <= (obj["metadata"].get("labels") or {}).items()
+        ]
 
     def read_isvc(self, namespace, name):
         return copy.deepcopy(self.objects.get(("InferenceService", namespace, name)))

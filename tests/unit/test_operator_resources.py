@@ -161,7 +161,7 @@ def test_server_args_parse_with_the_servers_own_cli():
     ],
 )
 def test_plan_model(source, name, arg, served, pvc):
-    plan = plan_model(parse_spec({"model": {"source": source, "name": name}}))
+    plan = plan_model(parse_spec({"model": {"source": source, "name": name}}), IMAGE)
     assert (plan.arg, plan.served_name, plan.pvc) == (arg, served, pvc)
 
 
