@@ -8,10 +8,12 @@ import typing
 from dataclasses import dataclass, field
 
 from batchpilot import names
+from batchpilot.server.kv.events_config import KVEventsConfig, parse_kv_events_config
 
 GiB = 1 << 30
-# Loaded adapters are never evicted and reloaded from disk (vLLM does that, with its
-# default of max_loras): a default as small would refuse a service's second adapter.
+# Adapters past max_cpu_loras are evicted least recently used first and read from disk
+# again when wanted (as in vLLM, whose default is max_loras): a larger default keeps a
+# service's usual adapters in memory, so that their requests never wait on a read.
 DEFAULT_MAX_CPU_LORAS = 32
 MAX_RESOLVER_DIR_CHARS = 4096
 # A CPU computes a 2048-token step in over a second: when 16 closed-loop requests arrive
@@ -105,13 +107,22 @@ class EngineConfig:
     max_lora_rank: int = knob(16, "highest adapter rank accepted; the device slots are sized "
                               "for it")  # fmt: skip
     max_cpu_loras: int | None = knob(None, "most adapters loaded at once, held in host "
-                                     "memory (default: 32, or max_loras if larger)")  # fmt: skip
+                                     "memory; more may be registered, the least recently "
+                                     "used are read again when wanted (default: 32, or "
+                                     "max_loras if larger)")  # fmt: skip
     # vLLM's filesystem resolver (VLLM_LORA_RESOLVER_CACHE_DIR, which `serve` reads too).
     lora_resolver_dir: str | None = knob(None, "directory of PEFT adapters, one per "
                                          "subdirectory: a request naming an adapter that "
                                          "is not loaded loads <dir>/<name> on first use "
                                          "(or $VLLM_LORA_RESOLVER_CACHE_DIR); implies "
                                          "--enable-lora")  # fmt: skip
+    # knob() only declares the field (RUF009 cannot know the frozen KVEventsConfig).
+    kv_events_config: KVEventsConfig | None = knob(  # noqa: RUF009
+        None, "vLLM's KV-cache events, as JSON with vLLM's fields, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"topic": "kv@$(POD_IP)@model"}\': the blocks the prefix cache stores and drops, '
+        "for a prefix-aware router (docs/routing.md)", parse=str,
+    )  # fmt: skip
     cpu_threads: int | None = knob(None, "torch threads on CPU (default: from the cgroup CPU "
                                    "quota capped by the CPU affinity; $BATCHPILOT_CPU_THREADS, "
                                    "then $OMP_NUM_THREADS, override that default)")  # fmt: skip
@@ -123,6 +134,11 @@ class EngineConfig:
     def __post_init__(self):
         if self.lora_resolver_dir:  # adapters load on first use: LoRA must be on
             self.enable_lora = True
+        if self.kv_events_config is not None:  # the flag's JSON, a dict, or already parsed
+            try:
+                self.kv_events_config = parse_kv_events_config(self.kv_events_config)
+            except ValueError as error:  # json.JSONDecodeError too
+                raise ConfigError(str(error)) from None
         self.validate()
 
     def validate(self) -> None:

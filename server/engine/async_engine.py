@@ -25,16 +25,19 @@ class AsyncEngine(HandoffClient):
     def _run(self) -> None:
         try:
             engine = self.make_engine()
+            core = EngineCore(engine)  # a KV-events endpoint that cannot open fails loading
             self.loaded_soon(engine.config, engine.tokenizer, engine.stats())
         except BaseException as e:
             logger.exception("loading the engine failed")
             self.failed_soon(e, True)
             return
         try:
-            self._serve(EngineCore(engine))
+            self._serve(core)
         except BaseException as e:
             logger.exception("the engine failed; no further requests can be served")
             self.failed_soon(e, False)
+        finally:
+            core.close()
 
     def _serve(self, core: EngineCore) -> None:
         while True:

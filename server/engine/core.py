@@ -16,6 +16,21 @@ from batchpilot.server.engine.step_faults import MAX_CONSECUTIVE_STEP_FAILURES, 
 
 logger = logging.getLogger(__name__)
 
+
+def kv_event_publisher(engine):
+    """The ZMQ publisher of the engine's KV events where --kv-events-config turns them on
+    (its block pool then logs them), else None: no cost when off."""
+    config = engine.config.kv_events_config
+    if config is None or not config.publishes:
+        return None
+    from batchpilot.server.kv.event_publisher import ZmqEventPublisher  # pyzmq only here
+    from batchpilot.server.kv.events import KVEventLog
+
+    publisher = ZmqEventPublisher(config)
+    engine.kv_manager.pool.events = KVEventLog(engine.config.block_size)
+    return publisher
+
+
 # (requests as (request_id, prompt, SamplingParams), arrival time, LoRA adapter or None)
 Add = tuple[list[tuple[str, Any, Any]], float, str | None]
 
@@ -38,6 +53,11 @@ class EngineCore:
     def __init__(self, engine):
         self.engine = engine
         self._failed_steps = 0
+        self.kv_events = kv_event_publisher(engine)
+
+    def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -52,6 +72,8 @@ class EngineCore:
         started = time.monotonic()
         outputs = self._step() if stepped else []
         ended = time.monotonic()
+        if self.kv_events is not None:  # the turn's keys, whether its step ran or failed
+            self.kv_events.publish(engine.kv_manager.pool.events.take())
         return Turn(outputs, engine.stats(), stepped, ended, admissions, aborts, call_results,
                     step_seconds=ended - started if stepped else 0.0)  # fmt: skip
 

@@ -47,18 +47,21 @@ def _engine_main(conn, make_engine, setup) -> None:
         setup()
     try:
         engine = make_engine()
+        core = EngineCore(engine)  # a KV-events endpoint that cannot open fails loading
     except BaseException as e:
         logger.exception("loading the engine failed")
         conn.send(("failed", _portable(e)))
         return
     conn.send(("loaded", engine.config, engine.tokenizer, engine.stats()))
     try:
-        _serve(conn, EngineCore(engine))
+        _serve(conn, core)
     except (EOFError, BrokenPipeError):
         return  # the HTTP process is gone
     except BaseException as e:
         logger.exception("the engine failed; no further requests can be served")
         conn.send(("failed", _portable(e)))
+    finally:
+        core.close()
 
 
 def _serve(conn, core: EngineCore) -> None:

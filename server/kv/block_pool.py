@@ -5,7 +5,8 @@ own token ids, so equal digests mean equal prefixes unless SHA-256 collides. A h
 still checked against the parent digest and tokens stored with the block: a client that
 could craft a colliding key must not get another tenant's KV (vLLM's prefix-cache
 collision advisory). A block whose ref count drops to zero keeps its key and stays
-reusable until it is evicted, least recently freed first.
+reusable until it is evicted, least recently freed first. With KV events on, every key
+dropped is reported to `events` (kv/events.py); kv/manager.py reports the keys added.
 """
 
 import hashlib
@@ -35,6 +36,7 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # digest -> block id
         self.free_uncached: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, hashed; LRU first
+        self.events = None  # a KVEventLog where KV events are published
 
     @property
     def num_free(self) -> int:
@@ -77,15 +79,17 @@ class BlockPool:
             else:
                 self.evictable[block] = None
 
-    def register(self, block: int, digest: bytes, parent: bytes | None, tokens: list[int]) -> None:
-        """Mark a full, computed block as reusable for the prefix that digest names."""
+    def register(self, block: int, digest: bytes, parent: bytes | None, tokens: list[int]) -> bool:
+        """Mark a full, computed block as reusable for the prefix that digest names; True
+        when this keyed it."""
         if not self.enable_prefix_caching or self.block_hash[block] is not None:
-            return
+            return False
         if digest in self.cached:  # same content (or a collision) already cached elsewhere
-            return
+            return False
         self.block_hash[block] = digest
         self.block_content[block] = (parent, tuple(tokens))
         self.cached[digest] = block
+        return True
 
     def forget(self, block: int, digest: bytes) -> None:
         """Drop block's key if it is digest (it may have been cached under another block)."""
@@ -103,6 +107,8 @@ class BlockPool:
         self.evictable.clear()
 
     def _uncache(self, block: int) -> None:
+        if self.events is not None:
+            self.events.removed(self.block_hash[block])
         del self.cached[self.block_hash[block]]
         self.block_hash[block] = None
         self.block_content[block] = None

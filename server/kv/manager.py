@@ -117,8 +117,13 @@ class KVCacheManager:
     def _register(self, seq: Sequence, i: int) -> None:
         """Offer seq's block i, whose digest is known, to the prefix cache."""
         parent = seq.block_hashes[i - 1] if i else seq.cache_root
-        self.pool.register(seq.block_table[i], seq.block_hashes[i], parent,
-                           self.block_tokens(seq, i))  # fmt: skip
+        tokens = self.block_tokens(seq, i)
+        keyed = self.pool.register(seq.block_table[i], seq.block_hashes[i], parent, tokens)
+        if keyed and self.pool.events is not None:
+            # A first block has no parent in the events: an adapter's root digest is no
+            # block, and the adapter travels as lora_name instead.
+            self.pool.events.stored(seq.block_hashes[i], parent if i else None, tokens,
+                                    seq.lora_name)  # fmt: skip
 
     def free_swapped(self, seq: Sequence) -> None:
         self.swap.release(seq.cpu_block_table)

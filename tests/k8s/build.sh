@@ -6,6 +6,7 @@
 #   etcd   <- go.etcd.io/etcd/server/v3 through the wrapper module tests/k8s/tools/etcd
 #   kwok   <- go install sigs.k8s.io/kwok/cmd/kwok@KWOK_VERSION
 #   helm   <- go install helm.sh/helm/v3/cmd/helm@HELM_VERSION
+#   llmd-kvevents <- tests/k8s/tools/llmd-kvevents over github.com/llm-d/llm-d-kv-cache@LLMD_KV_CACHE_VERSION
 #   GIE's InferencePool CRD <- go mod download sigs.k8s.io/gateway-api-inference-extension@GIE_VERSION
 #
 # Output: ${BATCHPILOT_CACHE:-$HOME/.cache/batchpilot}/k8s/<K8S_VERSION>/bin/
@@ -99,6 +100,16 @@ build_install() { # build_install PKG@VERSION
     mv -f "$tmp"/* "$BIN/" && rmdir "$tmp"
 }
 
+build_llmd_kvevents() {
+    local tmp="$BIN/.tmp-llmd-kvevents"
+    rm -rf "$tmp" && mkdir -p "$tmp"
+    (
+        cd "$HERE/tools/llmd-kvevents"
+        nice -n 10 go build -mod=readonly -ldflags="-s -w" -o "$tmp/llmd-kvevents" .
+    ) || return 1
+    mv -f "$tmp/llmd-kvevents" "$BIN/" && rmdir "$tmp"
+}
+
 failed=()
 component() { # component NAME VERSION "BINARIES" CMD...
     local name="$1" version="$2" bins="$3"
@@ -120,6 +131,9 @@ component kubernetes "$K8S_VERSION" "kube-apiserver kube-controller-manager kube
 component etcd "$ETCD_VERSION" "etcd" build_etcd
 component kwok "$KWOK_VERSION" "kwok" build_install "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
 component helm "$HELM_VERSION" "helm" build_install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+# Its stamp carries the harness's own source too, so an edit to it rebuilds.
+LLMD_STAMP="$LLMD_KV_CACHE_VERSION-$(cat "$HERE"/tools/llmd-kvevents/{main.go,go.mod} | sha1sum | cut -c1-8)"
+component llmd-kvevents "$LLMD_STAMP" "llmd-kvevents" build_llmd_kvevents
 
 # Not a binary: the CRD file as the module ships it, under the cache's crds/ folder.
 GIE_CRD="$ROOT/crds/gie-$GIE_VERSION/inference.networking.k8s.io_inferencepools.yaml"
