@@ -26,10 +26,11 @@ from batchpilot.server.api.body_limit import BodyLimitMiddleware
 from batchpilot.server.api.context import ServerContext
 from batchpilot.server.api.errors import install_error_handlers
 from batchpilot.server.api.lifecycle import DrainingServer, GateMiddleware, Lifecycle
-from batchpilot.server.api.loading import loading_progress
+from batchpilot.server.api.loading import IMPORT_STAGE, loading_progress
 from batchpilot.server.api.lora_modules import LoRAModule
 from batchpilot.server.api.metrics import ServerMetrics
 from batchpilot.server.api.stats_log import log_stats_forever
+from batchpilot.server.api.timeline import FirstToken
 from batchpilot.server.config import ConfigError, EngineConfig, config_from_args
 from batchpilot.server.engine.async_engine import AsyncEngine
 from batchpilot.server.engine.client import EngineClient
@@ -65,9 +66,11 @@ def build_app(
     starts (in the engine process, with engine_process), and loads lora_modules;
     app.state.context is what build_admin_app shares."""
     metrics: ServerMetrics | None = None
+    first_token = FirstToken()
 
     def on_step(step) -> None:
         metrics.observe_step(step)
+        first_token.observe(step)
 
     engine: EngineClient = (
         EngineProcessClient(make_engine, on_step, setup_process=configure_logging)
@@ -229,9 +232,10 @@ def configure_logging() -> None:
 def _make_engine(config, lora_modules: tuple[LoRAModule, ...],
                  preload_lora_modules: tuple[LoRAModule, ...], served: str):  # fmt: skip
     """The engine `serve` runs (module-level, so that it pickles to an engine process)."""
-    from batchpilot.server.engine.llm_engine import LLMEngine
-
     with loading_progress(served) as on_stage:
+        on_stage(IMPORT_STAGE)
+        from batchpilot.server.engine.llm_engine import LLMEngine
+
         engine = LLMEngine(config, on_stage=on_stage)
     lora.load_at_start(engine, lora_modules, served)
     lora.preload(engine, preload_lora_modules, served)

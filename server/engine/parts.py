@@ -36,7 +36,7 @@ def build_parts(config: EngineConfig, stage: Callable[[str], None]) -> EnginePar
     """stage(name) is called as each of LOAD_STAGES begins."""
     device, dtype = prepare_process(config)
     loaded = load_model(config, dtype, device, stage)
-    stage(LOAD_STAGES[2])
+    stage(LOAD_STAGES[3])
     runner = ModelRunner(config, loaded.decoder, device)
     if runner.kv_cache.is_fp8:
         runner.calibrate_fp8(loaded.tokenizer)

@@ -27,7 +27,12 @@ UNSUPPORTED_REASONS = {
 if TYPE_CHECKING:
     from batchpilot.server.model.llama import LlamaDecoder
 
-LOAD_STAGES = ("loading weights", "building the decoder", "allocating the KV cache")
+LOAD_STAGES = (
+    "reading the config and tokenizer",
+    "loading weights",
+    "building the decoder",
+    "allocating the KV cache",
+)
 
 
 class UnsupportedModelError(ValueError):
@@ -38,15 +43,25 @@ def cache_root() -> Path:
     return Path(os.environ.get("BATCHPILOT_CACHE", Path.home() / ".cache" / "batchpilot"))
 
 
-def _from_pretrained(source: str, gguf_file: str | None, dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _tokenizer(source: str, gguf_file: str | None):
+    from transformers import AutoTokenizer
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(
+    return AutoTokenizer.from_pretrained(source, local_files_only=True, **kwargs)
+
+
+def _hf_model(source: str, gguf_file: str | None, dtype):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoModelForCausalLM.from_pretrained(
         source, local_files_only=True, dtype=dtype, **kwargs
     )
-    return model, tokenizer
+
+
+def _from_pretrained(source: str, gguf_file: str | None, dtype):
+    tokenizer = _tokenizer(source, gguf_file)
+    return _hf_model(source, gguf_file, dtype), tokenizer
 
 
 def _converted_bundled_dir() -> Path:
@@ -112,13 +127,20 @@ def check_supported(config) -> None:
         raise UnsupportedModelError("bidirectional attention is not supported (causal only)")
 
 
-def load_hf_model(model: str | None, dtype):
-    """-> (transformers model in eval mode, tokenizer)."""
+def read_config(source: str, gguf_file: str | None):
+    """The transformers config of a resolved source, refused unless supported."""
     from transformers import AutoConfig
 
-    source, gguf_file = resolve_source(model)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    check_supported(AutoConfig.from_pretrained(source, local_files_only=True, **kwargs))
+    hf_config = AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
+    check_supported(hf_config)
+    return hf_config
+
+
+def load_hf_model(model: str | None, dtype):
+    """-> (transformers model in eval mode, tokenizer)."""
+    source, gguf_file = resolve_source(model)
+    read_config(source, gguf_file)
     hf_model, tokenizer = _from_pretrained(source, gguf_file, dtype)
     return hf_model.eval(), tokenizer
 
@@ -133,17 +155,29 @@ class LoadedModel:
 
 def load_model(config, dtype, device, stage) -> LoadedModel:
     """Weights and tokenizer for config.model, checked against the config, as a decoder on
-    device; fills config's model-dependent defaults. stage(name) marks LOAD_STAGES."""
+    device; fills config's model-dependent defaults. stage(name) marks LOAD_STAGES.
+
+    A safetensors directory (the bundled model's converted cache among them) is mapped
+    straight into the decoder (checkpoint.py); anything else loads through transformers."""
+    from batchpilot.server.model.build import made_in_place
+    from batchpilot.server.model.checkpoint import open_checkpoint
     from batchpilot.server.model.llama import from_hf
 
     stage(LOAD_STAGES[0])
-    hf_model, tokenizer = load_hf_model(config.model, dtype)
-    config.resolve(hf_model.config.max_position_embeddings, device.type)
-    check_sliding_window(hf_model.config, config.max_model_len)
+    source, gguf_file = resolve_source(config.model)
+    hf_config = read_config(source, gguf_file)
+    config.resolve(hf_config.max_position_embeddings, device.type)
+    check_sliding_window(hf_config, config.max_model_len)
+    tokenizer = _tokenizer(source, gguf_file)
     stage(LOAD_STAGES[1])
-    decoder = from_hf(hf_model, config.max_model_len, dtype, device)
-    eos = eos_token_ids(hf_model, tokenizer)
-    return LoadedModel(decoder, tokenizer, eos, hf_model.config.vocab_size)
+    weights = None if gguf_file else open_checkpoint(source, hf_config)
+    if weights is None:
+        weights = _hf_model(source, gguf_file, dtype)
+    stage(LOAD_STAGES[2])
+    with made_in_place(dtype, device):
+        decoder = from_hf(weights, config.max_model_len, dtype, device)
+    eos = eos_token_ids(weights, tokenizer)
+    return LoadedModel(decoder, tokenizer, eos, hf_config.vocab_size)
 
 
 def eos_token_ids(hf_model, tokenizer) -> set[int]:

@@ -21,7 +21,7 @@ from batchpilot.server.engine.sequence import Sequence
 from batchpilot.server.kv.cache import KVCache, bytes_per_block, storage_dtype
 from batchpilot.server.kv.manager import cdiv
 from batchpilot.server.lora.slots import LoRABatch, LoRASlots, module_shapes
-from batchpilot.server.model import cpu_gemv, cpu_linear
+from batchpilot.server.model import cpu_gemv, cpu_linear, cpu_norm
 from batchpilot.server.model.cuda_graphs import DecodeGraphs
 from batchpilot.server.model.llama import LlamaDecoder
 from batchpilot.server.sampling.logprobs import PositionLogprobs, compute_logprobs, gather_logprobs
@@ -78,6 +78,7 @@ class ModelRunner:
         if device.type == "cpu":
             self.linear_backend = (cpu_gemv.apply(model, config.linear_backend)
                                    or cpu_linear.apply(model, config.linear_backend))  # fmt: skip
+            cpu_norm.load()  # loaded now, before Ready, not in the first request's step
         self.graphs: DecodeGraphs | None = None  # captured at the first decode-only step
         kv_dtype = storage_dtype(config.kv_cache_dtype, model.lm_head.weight.dtype)
         self.block_bytes = bytes_per_block(len(model.layers), config.block_size,
