@@ -4,7 +4,11 @@ runtime change is the operator's, as /admin/config is), and the start-up loading
 --lora-modules. Adapters of --lora-resolver-dir load on first use in lora_resolver.py,
 under the lock these routes take too.
 
-The engine is the authority on what is loaded; ServerContext.loras mirrors it on the event
+A loaded adapter is registered: the engine keeps its name and path and at most
+--max-cpu-loras of them in host memory, reading one again when a request wants it
+(server/lora/manager.py), so neither the load nor a request fails for --max-cpu-loras.
+
+The engine is the authority on what is registered; ServerContext.loras mirrors it on the event
 loop so that a request finds its adapter without a round trip to the engine thread, and
 lora_resolver.Resolved.loaded does for the adapters the resolver loaded. Only these
 routes, the resolver and the start-up change either, always the engine first.
@@ -13,7 +17,7 @@ Errors are vLLM's, word for word where vLLM has the case (serving_models.py):
 - load: 400 InvalidUserInput "Both 'lora_name' and 'lora_path' must be provided." and
   "The lora adapter '<name>' has already been loaded."; 404 NotFoundError "Loading lora
   <name> failed: No adapter found for <path>"; an adapter that cannot serve (corrupt,
-  another base model's, too high a rank, --max-cpu-loras reached) is 400 BadRequestError
+  another base model's, too high a rank, MAX_REGISTERED_LORAS reached) is 400 BadRequestError
   with the reason (older vLLM said 400 too; recent versions say 500, which blames the
   server for the adapter's fault and reads as "retry" to the operator);
 - unload: 400 InvalidUserInput "'lora_name' needs to be provided to unload a LoRA

@@ -8,7 +8,7 @@ ctx.loras to the operator, which unloads whatever a replica lists that its spec.
 does not name. Clients see both (/v1/models, `model`). A name the resolver does not find
 is the unknown model's 404; one it finds but cannot load is vLLM's 400 "LoRA adapter
 '<name>' was found but could not be loaded." (the reason goes to the log: it may name the
-server's paths; --max-cpu-loras reached, which names none, is told)."""
+server's paths; the registration bound reached, which names none, is told)."""
 
 import asyncio
 import functools

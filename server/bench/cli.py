@@ -1,4 +1,4 @@
-"""`batchpilot bench {offline,serve,sweep,interference,lora,quality}`."""
+"""`batchpilot bench {offline,serve,sweep,interference,lora,lora-tiers,quality,startup}`."""
 
 import argparse
 import importlib
@@ -14,8 +14,12 @@ SUBCOMMANDS = {
                      "decoders' inter-token latency while a long prompt prefills"),
     "lora": ("batchpilot.server.bench.lora",
              "a batch mixing 4 PEFT adapters and the base against the base alone"),
+    "lora-tiers": ("batchpilot.server.bench.lora_tiers",
+                   "16 adapters over 4 slots and 8 in host memory against the base model"),
     "quality": ("batchpilot.server.bench.quality",
                 "perplexity of a fixed text per weight and KV-cache dtype (fp8's cost)"),
+    "startup": ("batchpilot.server.bench.startup",
+                "the server's start-up timeline and time to first token, over N starts"),
 }  # fmt: skip
 
 

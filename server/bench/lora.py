@@ -30,13 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--result-dir", type=Path, default=Path("bench-results"))
 
 
-def make_adapters(base: str, rank: int, root: Path) -> list[str]:
+def make_adapters(base: str, rank: int, root: Path, count: int = NUM_ADAPTERS) -> list[str]:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     paths = []
-    for i in range(NUM_ADAPTERS):
+    for i in range(count):
         model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True,
                                                      dtype=torch.float32)  # fmt: skip
         torch.manual_seed(i)

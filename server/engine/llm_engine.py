@@ -47,8 +47,9 @@ class LLMEngine:
                     lora_name: str | None = None) -> None:  # fmt: skip
         """prompt: text, token ids, or vLLM's TokensPrompt {"prompt_token_ids": [...]} with
         an optional "prompt" text (kept for echo): how the server hands over prompts it has
-        tokenized already, so the engine thread never tokenizes for it. lora_name: a loaded
-        adapter to run it with (None: the base model). RequestRejected says why not."""
+        tokenized already, so the engine thread never tokenizes for it. lora_name: a
+        registered adapter to run it with (None: the base model); one not loaded waits for
+        its read. RequestRejected says why not."""
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = prompt_parts(self.tokenizer, prompt)
@@ -57,7 +58,7 @@ class LLMEngine:
         params.update_from_eos(self.eos_token_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         generator = torch.Generator(self.device).manual_seed(seed)
-        seq = Sequence(request_id, text, ids, params, arrival_time, generator, lora)
+        seq = Sequence(request_id, text, ids, params, arrival_time, generator, lora, lora_name)
         self.seqs[request_id] = seq
         self.output_processor.add(seq)
         self.scheduler.add(seq)
@@ -65,10 +66,10 @@ class LLMEngine:
     # ---- adapters (between steps, on the engine thread): lora/manager.py -----------------
 
     def add_lora(self, name: str, path: str) -> None:
-        self.loras.add(name, path)
+        self.loras.add(name, path, self.seqs.values())
 
     def remove_lora(self, name: str) -> None:
-        self.loras.remove(name, (seq.lora for seq in self.seqs.values()))
+        self.loras.remove(name, self.seqs.values())
 
     def list_loras(self) -> list[str]:
         return self.loras.names()
@@ -93,6 +94,9 @@ class LLMEngine:
         consistent: the batch's blocks are freed and those the step was filling are
         dropped from the prefix cache, so the engine can go on with other requests."""
         outputs, self._aborted = self._aborted, []
+        scheduler = self.scheduler
+        unread = self.loras.prepare(scheduler.waiting, [*scheduler.running, *scheduler.swapped])
+        outputs += [self._fail(seq, error) for seq, error in unread]
         scheduled: list[tuple[Sequence, int]] = []
         try:
             decision = self.scheduler.schedule()
@@ -106,6 +110,7 @@ class LLMEngine:
         """decision: the scheduler's SchedulerOutput for this step."""
         self.runner.swap(decision)
         if not decision.scheduled:
+            self.loras.idle()  # nothing could run: an adapter's read may be what it waits for
             return []
         ran = self.runner.execute(decision.scheduled)
         ran.record_logprobs(decision.scheduled)

@@ -3,10 +3,12 @@
 Order of service: swapped sequences come back first, then running sequences keep
 going (decodes before prefill chunks, so a long prompt cannot stall them), then
 waiting requests are admitted FCFS while `max_num_seqs`, the token budget
-`max_num_batched_tokens`, free blocks and `max_loras` (distinct adapters running) allow.
-A request whose adapter would be one too many holds the queue behind it, so no adapter
-starves: the running adapters drain and its turn comes. When blocks run out, the newest
-running sequence is preempted: swapped to CPU, or freed for recompute.
+`max_num_batched_tokens` and free blocks allow. A request whose adapter cannot run yet
+(one too many for `max_loras` distinct adapters in a step, or not loaded in host memory)
+lets later requests whose adapters can run go first, but at most MAX_LORA_OVERTAKES of
+them: then it holds the queue until the running adapters drain and its turn comes, so no
+adapter starves. When blocks run out, the newest running sequence is preempted: swapped
+to CPU, or freed for recompute.
 
 After the forward pass, `postprocess` appends the sampled tokens and finishes sequences
 on a stop token or on length; stop strings need text, so the output processor finds
@@ -20,6 +22,11 @@ from dataclasses import dataclass, field
 from batchpilot.server.config import EngineConfig
 from batchpilot.server.engine.sequence import Sequence, Status
 from batchpilot.server.kv.manager import KVCacheManager
+
+# How many later requests may be admitted ahead of one whose adapter cannot run yet. Each
+# such one keeps the batch full with an adapter already in it; past this, the waiting one
+# is owed its turn. A few batches' worth: a waiting adapter loses at most that much.
+MAX_LORA_OVERTAKES = 64
 
 
 @dataclass
@@ -227,42 +234,71 @@ class Scheduler:
 
     def _lora_fits(self, seq: Sequence) -> bool:
         """Running seq keeps the step within max_loras distinct adapters."""
-        if seq.lora is None:
+        return self._lora_ready(
+            seq, {s.lora.cache_root for s in self.running if s.lora is not None}
+        )
+
+    def _lora_ready(self, seq: Sequence, running: set[bytes]) -> bool:
+        """seq's adapter is loaded and runs with the running ones (their cache roots)
+        within max_loras."""
+        if seq.lora_name is None:
             return True
-        running = {s.lora.cache_root for s in self.running if s.lora is not None}
+        if seq.lora is None:
+            return False  # not loaded in host memory yet (lora/manager.py reads it)
         return seq.lora.cache_root in running or len(running) < self.config.max_loras
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        # Static batching admits its whole batch at once; the prompts are then prefilled
-        # over as many steps as the token budget needs.
         static = self.config.scheduling_policy == "static"
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            if budget <= 0 and not static:
+        running = {s.lora.cache_root for s in self.running if s.lora is not None}
+        passed: list[Sequence] = []  # ahead of the one considered, their adapters not ready
+        for seq in list(self.waiting):
+            if len(self.running) >= self.config.max_num_seqs or (budget <= 0 and not static):
                 break
-            seq = self.waiting[0]
-            # As in vLLM, a request for prompt logprobs computes its whole prompt: a
-            # cached block has KV but no logits.
-            wants_logits = seq.params.prompt_logprobs is not None
-            blocks, hashes = ([], []) if wants_logits else self.kv.match_prefix(seq)
-            cached_tokens = len(blocks) * self.kv.block_size
-            remaining = seq.num_tokens - cached_tokens
-            n = min(remaining, budget)
-            if n < remaining and not self.config.enable_chunked_prefill:
-                if not static:
+            if not self._lora_ready(seq, running):
+                # Later requests whose adapters run now go first, which keeps the batch
+                # full; one overtaken MAX_LORA_OVERTAKES times holds the queue instead.
+                if seq.lora_overtaken >= MAX_LORA_OVERTAKES:
                     break
-                n = 0
-            if not self.kv.can_admit(seq, blocks) or not self._lora_fits(seq):
+                passed.append(seq)
+                continue
+            n = self._admit_one(seq, out, budget, static)
+            if n is None:
                 break
-            self.waiting.popleft()
-            self.counters.prefix_cache_queries += seq.num_tokens
-            self.counters.prefix_cache_hits += cached_tokens
-            if seq.num_preemptions == 0:  # a recomputed sequence keeps its first count
-                seq.num_cached_tokens = cached_tokens
-            self.kv.admit(seq, blocks, hashes)
-            self.kv.allocate_slots(seq, remaining)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            if n > 0:
-                out.scheduled.append((seq, n))
-                self.kv.register_computed(seq, n)
-                budget -= n
+            budget -= n
+            if seq.lora is not None:
+                running.add(seq.lora.cache_root)
+            for overtaken in passed:
+                overtaken.lora_overtaken += 1
+
+    def _admit_one(self, seq: Sequence, out: SchedulerOutput, budget: int,
+                   static: bool) -> int | None:  # fmt: skip
+        """Admit seq with up to budget prompt tokens; -> the tokens scheduled, or None
+        where it does not fit (the queue waits behind it: blocks free up as others end)."""
+        # As in vLLM, a request for prompt logprobs computes its whole prompt: a cached
+        # block has KV but no logits.
+        wants_logits = seq.params.prompt_logprobs is not None
+        blocks, hashes = ([], []) if wants_logits else self.kv.match_prefix(seq)
+        cached_tokens = len(blocks) * self.kv.block_size
+        remaining = seq.num_tokens - cached_tokens
+        n = min(remaining, budget)
+        if n < remaining and not self.config.enable_chunked_prefill:
+            if not static:
+                return None
+            # Static batching admits its whole batch at once; the prompts are then
+            # prefilled over as many steps as the token budget needs.
+            n = 0
+        if not self.kv.can_admit(seq, blocks):
+            return None
+        self.waiting.remove(seq)
+        self.counters.prefix_cache_queries += seq.num_tokens
+        self.counters.prefix_cache_hits += cached_tokens
+        if seq.num_preemptions == 0:  # a recomputed sequence keeps its first count
+            seq.num_cached_tokens = cached_tokens
+        self.kv.admit(seq, blocks, hashes)
+        self.kv.allocate_slots(seq, remaining)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        if n > 0:
+            out.scheduled.append((seq, n))
+            self.kv.register_computed(seq, n)
+        return n

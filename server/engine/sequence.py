@@ -41,9 +41,11 @@ class Sequence:
         arrival_time: float | None = None,
         generator=None,
         lora: "LoRAAdapter | None" = None,
+        lora_name: str | None = None,
     ):
         """generator: the torch.Generator this request samples from (unused when greedy);
-        lora: the adapter it runs with (None: the base model)."""
+        lora: the adapter it runs with (None: the base model, or an adapter lora_name names
+        that is not loaded yet: the engine binds it once loaded, before admitting it)."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -65,6 +67,9 @@ class Sequence:
         self.timings = Timings() if arrival_time is None else Timings(arrival_time)
         self.generator = generator
         self.lora = lora
+        self.lora_name = lora.name if lora is not None else lora_name
+        # Requests admitted ahead of it while its adapter could not run (scheduler.py).
+        self.lora_overtaken = 0
 
     @property
     def cache_root(self) -> bytes | None:

@@ -62,4 +62,4 @@ def engine_stats(scheduler: Scheduler, config: EngineConfig) -> EngineStats:
 
 
 def _adapters(seqs) -> list[str]:
-    return sorted({seq.lora.name for seq in seqs if seq.lora is not None})
+    return sorted({seq.lora_name for seq in seqs if seq.lora_name is not None})

@@ -1,9 +1,11 @@
 """Multi-LoRA: PEFT adapters applied per row group in one batch.
 
-adapter.py reads and checks a PEFT adapter against the base model, registry.py holds the
-loaded ones (bounded by max_cpu_loras), slots.py keeps up to max_loras of them in device
-tensors and adds their low-rank products to a step's projections; resolver.py finds an
-adapter by its name in --lora-resolver-dir."""
+adapter.py reads and checks a PEFT adapter against the base model; registry.py holds the
+registered ones by name and path, and at most max_cpu_loras of them loaded (least recently
+used evicted), which reader.py reads again on a thread of its own and manager.py binds to
+the requests that wait for them; slots.py keeps up to max_loras in device tensors and adds
+their low-rank products to a step's projections; resolver.py finds an adapter by its name
+in --lora-resolver-dir."""
 
 
 class LoRAError(ValueError):
@@ -15,7 +17,8 @@ class LoRANotFound(LoRAError):
 
 
 class LoRAFull(LoRAError):
-    """max_cpu_loras adapters are loaded already: another loads once one is unloaded."""
+    """MAX_REGISTERED_LORAS adapters are registered already: another registers once one is
+    unloaded."""
 
 
 class LoRAInUse(LoRAError):

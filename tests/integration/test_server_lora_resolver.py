@@ -56,8 +56,8 @@ def tree(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(tree, tmp_path_factory):
-    """The directory comes from vLLM's variable; three adapters fit (--max-cpu-loras): the
-    static one and two the resolver loads."""
+    """The directory comes from vLLM's variable; three adapters fit in host memory
+    (--max-cpu-loras): the static one and two the resolver loads; more are read again."""
     args = ["--model", str(tree["base"]), "--served-model-name", MODEL, *TINY_FLAGS,
             "--admin-token", ADMIN_TOKEN, "--max-loras", "2", "--max-cpu-loras", "3",
             "--lora-modules", f"static={tree['outside'] / 'static'}"]  # fmt: skip
@@ -202,21 +202,18 @@ def test_load_and_unload_errors_are_vllms(server, tree):
     assert huge.status_code == 400 and huge.json()["error"]["param"] == "lora_name"
 
 
-def test_max_cpu_loras_bounds_the_resolver_and_an_unload_makes_room(server, tree):
-    """static, sql and chat fill --max-cpu-loras 3: a fourth is refused, naming the bound,
-    until one is unloaded; an unloaded resolver adapter loads again on its next request."""
+def test_adapters_past_max_cpu_loras_serve_and_an_unloaded_one_loads_again(server, tree):
+    """static, sql and chat fill --max-cpu-loras 3: a fourth still serves, evicting the least
+    recently used, which serves again when asked for (read again); all four are listed. An
+    unloaded resolver adapter loads again on its next request."""
     assert set(model_ids(server)) >= {"static", "sql", "chat"}
-    r = httpx.post(f"{server.url}/v1/completions", timeout=60,
-                   json={"model": "third", "prompt": PROMPT, "max_tokens": 1})  # fmt: skip
-    assert r.status_code == 400, r.text
-    message = r.json()["error"]["message"]
-    assert message.startswith("LoRA adapter 'third' was found but could not be loaded: 3 ")
-    assert "--max-cpu-loras" in message and str(tree["root"]) not in message
+    assert greedy(server, "third") == peft_tokens(tree, "third")
+    assert greedy(server, "sql") == peft_tokens(tree, "sql")
+    assert greedy(server, "chat") == peft_tokens(tree, "chat")
+    assert set(model_ids(server)) >= {"static", "sql", "chat", "third"}
     r = admin_post(server, "unload_lora_adapter", {"lora_name": "chat"})
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'chat' removed successfully."
     assert "chat" not in model_ids(server)
-    assert greedy(server, "third") == peft_tokens(tree, "third")
-    assert admin_post(server, "unload_lora_adapter", {"lora_name": "third"}).status_code == 200
     greedy(server, "chat", max_tokens=1)  # loads again
     assert server.log().count("loaded LoRA adapter chat from") == 2
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from batchpilot.server import LLM, SamplingParams
 from batchpilot.server.engine.admission import RequestRejected
-from batchpilot.server.lora import LoRAError, LoRAInUse, LoRANotFound
+from batchpilot.server.lora import LoRAError, LoRAFull, LoRAInUse, LoRANotFound
 from tests.support.engine import CONDITIONS, PROMPTS
 from tests.support.models import make_adapter, peft_greedy
 
@@ -148,7 +148,7 @@ def _broken_copy(src: str, dst, edit_config=None, edit_tensors=None) -> str:
     return str(dst)
 
 
-def test_bad_adapters_are_refused_with_their_reason(tiny_model, adapters, tmp_path):
+def test_bad_adapters_are_refused_with_their_reason(tiny_model, adapters, tmp_path, monkeypatch):
     llm = lora_llm(tiny_model, {}, max_lora_rank=8, max_cpu_loras=3)
     src = adapters["all8"]
     garbage = tmp_path / "garbage"
@@ -181,9 +181,14 @@ def test_bad_adapters_are_refused_with_their_reason(tiny_model, adapters, tmp_pa
         llm.add_lora("ok", src)
     llm.add_lora("ok2", src)
     llm.add_lora("ok3", adapters["qv4"])
-    with pytest.raises(LoRAError, match="3 adapters are loaded, the most --max-cpu-loras"):
-        llm.add_lora("ok4", src)
-    # The server keeps serving after every refusal.
+    # Past --max-cpu-loras an adapter registers (read again when wanted); past the bound on
+    # registered names it is refused.
+    llm.add_lora("ok4", src)
+    monkeypatch.setattr("batchpilot.server.lora.registry.MAX_REGISTERED_LORAS", 4)
+    with pytest.raises(LoRAFull, match="4 adapters are registered, the most a server holds"):
+        llm.add_lora("ok5", src)
+    assert llm.engine.list_loras() == ["ok", "ok2", "ok3", "ok4"]
+    # The server keeps serving after every refusal, the evicted "ok" too.
     assert llm.generate("Hello", GREEDY, use_tqdm=False, lora="ok")[0].outputs[0].token_ids
 
 
