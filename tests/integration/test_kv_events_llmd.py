@@ -6,7 +6,6 @@ hashes of their token ids, and forgets them from its BlockRemoved events."""
 
 import itertools
 import json
-import socket
 import subprocess
 
 import pytest
@@ -14,9 +13,8 @@ import pytest
 from batchpilot.server.engine.core import EngineCore
 from batchpilot.server.engine.llm_engine import LLMEngine
 from batchpilot.server.kv.block_pool import block_digest
-from batchpilot.server.sampling.sampling_params import SamplingParams
 from tests.k8s import cluster as k8s_cluster
-from tests.support.engine import BLOCK_BYTES_TINY
+from tests.support.engine import BLOCK_BYTES_TINY, run_to_completion
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.cluster  # the harness is among the binaries `make k8s-bins` builds
@@ -24,12 +22,6 @@ pytestmark = pytest.mark.cluster  # the harness is among the binaries `make k8s-
 BLOCK = 16  # the engine's default block size, which the indexer must be told
 MODEL, POD = "tiny", "pod-a"
 HELD = f"{POD}@gpu"  # llm-d's PodEntry for the engine's own KV tier
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Indexer:
@@ -54,7 +46,7 @@ def indexed_engine(tiny_path):
     binary = k8s_cluster.bin_dir() / "llmd-kvevents"
     if not binary.is_file():
         pytest.fail(f"{binary} is missing: run `make k8s-bins`", pytrace=False)
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = f"tcp://127.0.0.1:{k8s_cluster.free_port()}"
     indexer = Indexer(str(binary), endpoint)
     # 12 blocks of KV: a third 5-block prompt evicts the first one's blocks.
     engine = LLMEngine(model=tiny_path, dtype="float32", max_model_len=96,
@@ -69,10 +61,7 @@ def indexed_engine(tiny_path):
 
 
 def generate(core: EngineCore, prompt: list[int], ids=itertools.count()) -> None:
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    core.turn([([(f"r{next(ids)}", prompt, params)], 0.0, None)], [], [])
-    while core.has_work():
-        core.turn([], [], [])
+    run_to_completion(core, f"r{next(ids)}", prompt)
 
 
 def connected(core: EngineCore, indexer: Indexer) -> None:

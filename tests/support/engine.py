@@ -29,3 +29,14 @@ CONDITIONS = {
     # The timing at start-up picks torch for the tiny model's shapes; this forces oneDNN.
     "linear_onednn": dict(linear_backend="onednn", max_num_batched_tokens=8),
 }
+
+
+def run_to_completion(core, request_id: str, prompt: list[int], max_tokens: int = 3) -> None:
+    """One greedy request through an EngineCore's turns (as the server drives it), until
+    the engine has nothing left to do."""
+    from batchpilot.server.sampling.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    core.turn([([(request_id, prompt, params)], 0.0, None)], [], [])
+    while core.has_work():
+        core.turn([], [], [])

@@ -2,8 +2,6 @@
 real engine publishing what its prefix cache stores and drops over a real ZMQ socket,
 with replay."""
 
-import socket
-
 import msgpack
 import pytest
 import zmq
@@ -21,8 +19,8 @@ from batchpilot.server.kv.events import (
     encode_batch,
     external_hash,
 )
-from batchpilot.server.sampling.sampling_params import SamplingParams
-from tests.support.engine import BLOCK_BYTES_TINY
+from tests.k8s.cluster import free_port
+from tests.support.engine import BLOCK_BYTES_TINY, run_to_completion
 
 BLOCK = 16  # the engine's default block size
 TIMEOUT_MS = 60_000  # generous: a loaded machine
@@ -87,12 +85,6 @@ def test_a_bad_config_is_refused_with_its_reason(text, reason):
         EngineConfig(kv_events_config=text)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def publishing(tiny_model):
     """An engine core whose publisher connects to a SUB socket bound on loopback (llm-d's
@@ -110,13 +102,6 @@ def publishing(tiny_model):
     yield core, sub, replay
     core.close()
     sub.close(linger=0)
-
-
-def generate(core: EngineCore, rid: str, prompt: list[int]) -> None:
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    core.turn([([(rid, prompt, params)], 0.0, None)], [], [])
-    while core.has_work():
-        core.turn([], [], [])
 
 
 def replayed(replay_endpoint: str, start: int) -> list[tuple[int, bytes]]:
@@ -141,8 +126,8 @@ def events_of(batches: list[tuple[int, bytes]]) -> list[list]:
 def test_the_engine_publishes_the_blocks_it_keys_and_drops_and_replays_them(publishing):
     core, sub, replay = publishing
     shared = list(range(1, 2 * BLOCK + 1))  # two full blocks every prompt shares
-    generate(core, "a", [*shared, 40, 41, 42])
-    generate(core, "b", [*shared, 50, 51, 52])  # a prefix-cache hit: nothing new to key
+    run_to_completion(core, "a", [*shared, 40, 41, 42])
+    run_to_completion(core, "b", [*shared, 50, 51, 52])  # a prefix-cache hit: nothing new to key
     batches = replayed(replay, 0)
     assert [seq for seq, _ in batches] == list(range(len(batches)))
     events = events_of(batches)
@@ -160,7 +145,7 @@ def test_the_engine_publishes_the_blocks_it_keys_and_drops_and_replays_them(publ
     # recovers them): new prompts until one arrives, with the SUB polling in between.
     live = []
     for i in range(60):
-        generate(core, f"live{i}", [60 + i] * (BLOCK + 1))
+        run_to_completion(core, f"live{i}", [60 + i] * (BLOCK + 1))
         if sub.poll(1000):
             live.append(sub.recv_multipart())
             break
@@ -174,7 +159,7 @@ def test_evicted_blocks_are_published_as_removed(publishing):
     core, _, replay = publishing
     # 12 blocks of KV: three prompts of five blocks evict the first one's cached blocks.
     for i in range(3):
-        generate(core, f"r{i}", [100 * (i + 1) + t for t in range(5 * BLOCK)])
+        run_to_completion(core, f"r{i}", [100 * (i + 1) + t for t in range(5 * BLOCK)])
     events = events_of(replayed(replay, 0))
     stored = {h for e in events if e[0] == "BlockStored" for h in e[1]}
     removed = [h for e in events if e[0] == "BlockRemoved" for h in e[1]]
