@@ -82,3 +82,17 @@ EXTRA_ARGS_MESSAGE = (
     + ", ".join(MANAGED_FLAGS)
     + "): set the spec field instead"
 )
+
+# The server's KV-cache events: rendered by the operator while the picker it deploys reads
+# them (routing's precise prefix scorer), and only then refused in extraArgs; a picker the
+# user runs may take them from extraArgs as before.
+KV_EVENTS_CONFIG = "--kv-events-config"
+KV_EVENTS_CEL = (
+    "!has(self.engine.extraArgs) || !self.engine.extraArgs.exists(a, a.startsWith('--') && "
+    f"'{KV_EVENTS_CONFIG}'.startsWith(a.split('=')[0]))"
+)
+
+
+def sets_kv_events(args: list[str]) -> bool:
+    """Does any of ``args`` set --kv-events-config, or abbreviate it?"""
+    return any(a.startswith("--") and KV_EVENTS_CONFIG.startswith(a.split("=", 1)[0]) for a in args)

@@ -17,11 +17,26 @@ RULES: list[dict] = [
     {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch", "update"]},
     {"apiGroups": [GROUP], "resources": [f"{PLURAL}/finalizers"], "verbs": ["update"]},
     # The children: read to check whose they are (ownership.py), created, or applied
-    # server-side over the operator's own.
-    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": CHILD_VERBS},
-    {"apiGroups": [""], "resources": ["services"], "verbs": CHILD_VERBS},
+    # server-side over the operator's own. Deployments, Services and ConfigMaps are also
+    # the endpoint picker's, deleted when the spec stops asking for it (only the service's
+    # own, checked by uid).
+    {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": [*CHILD_VERBS, "delete"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": [*CHILD_VERBS, "delete"]},
     {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": CHILD_VERBS},
-    {"apiGroups": [""], "resources": ["configmaps"], "verbs": CHILD_VERBS},
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": [*CHILD_VERBS, "delete"]},
+    # The endpoint picker's account and rights (routing.endpointPicker.deploy). The API
+    # server lets the operator grant, in a Role, only what it holds itself (RBAC's
+    # escalation check; no escalate or bind verb here): it holds each of the picker's
+    # rules (children/picker.py PICKER_RULES, LEADER_ELECTION_RULES), as KServe's
+    # controller holds its scheduler's.
+    {"apiGroups": [""], "resources": ["serviceaccounts"], "verbs": [*CHILD_VERBS, "delete"]},
+    {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"],
+     "verbs": [*CHILD_VERBS, "delete"]},
+    {"apiGroups": ["inference.networking.x-k8s.io"],
+     "resources": ["inferenceobjectives", "inferencemodelrewrites"],
+     "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+     "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
     # The admin token's Secret: create only. The token is derived from the operator's key,
     # never read back; get, patch or update would let the operator read any Secret (a patch
     # answers with the whole object), create cannot read or change an existing one.
@@ -43,13 +58,14 @@ RULES: list[dict] = [
     # Never patched: a Job's pod template cannot change, a new one is a new Job.
     {"apiGroups": ["batch"], "resources": ["jobs"],
      "verbs": ["get", "list", "watch", "create", "delete"]},
-    # The closed loop scrapes the Ready pods of each service.
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
-    # Checked before building: the model's claim and the pods' ServiceAccount exist. A model
+    # The closed loop scrapes the Ready pods of each service; watch only for the endpoint
+    # picker's Role, which grants it.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    # Checked before building: the model's claim and the pods' ServiceAccount exist (get on
+    # ServiceAccounts is above, with the picker's). A model
     # cache's claim is created when absent, and never changed or deleted: no patch, update
     # or delete.
     {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get", "create"]},
-    {"apiGroups": [""], "resources": ["serviceaccounts"], "verbs": ["get"]},
     # Events on the InferenceServices.
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
     # Kopf: peering between replicas, namespace globs, and discovery of the CRDs it serves.

@@ -19,16 +19,10 @@ import kopf
 
 from batchpilot.operator import drift, ownership, status
 from batchpilot.operator.api_errors import permanent_problem
-from batchpilot.operator.children.autoscaler import autoscaler_kind
 from batchpilot.operator.children.build import build_children, stale_kinds
 from batchpilot.operator.children.meta import Owner
-from batchpilot.operator.children.plan import adapter_claims, desired_replicas, source_claim
-from batchpilot.operator.children.pod import (
-    LABEL_SA_ALLOWED,
-    service_account_allowed,
-    spec_problems,
-)
-from batchpilot.operator.children.pool import INFERENCE_POOL_KIND
+from batchpilot.operator.children.picker import PICKER_KINDS, owned_selector, picker_name
+from batchpilot.operator.children.plan import desired_replicas
 from batchpilot.operator.children.secret import admin_token
 from batchpilot.operator.children.service import (
     ENDPOINT_SLICE_KIND,
@@ -41,14 +35,19 @@ from batchpilot.operator.children.service import (
 )
 from batchpilot.operator.config import FIELD_MANAGER, OperatorConfig
 from batchpilot.operator.crd.api import GROUP, KIND
-from batchpilot.operator.crd.spec import InferenceServiceSpec, SpecError, check_name, parse_spec
+from batchpilot.operator.crd.spec import InferenceServiceSpec, SpecError, parse_spec
 from batchpilot.operator.kube import ApiException, Kube, new_api_client, post_event
 from batchpilot.operator.loop.state import LoopState
 from batchpilot.operator.model_cache import ensure_cache
 from batchpilot.operator.remembered import Deployments, Resyncs
+from batchpilot.operator.spec_checks import check_spec
 from batchpilot.operator.status import CacheState, Problem
 
 log = logging.getLogger("batchpilot.operator")
+
+
+def _key(child: dict) -> tuple[str, str]:
+    return child["kind"], child["metadata"]["name"]
 
 
 def controller_owner(body: Mapping) -> tuple[str, str] | None:
@@ -150,7 +149,7 @@ class Reconciler:
         prev = body.get("status") or {}
         self._resyncs.forget((ns, name))
         url = deployment = cache = None
-        spec, problem = self._check(body, ns)
+        spec, problem = check_spec(self.kube, body, ns)
         if spec is not None and problem is None:
             cache, problem = self._cache(Owner.from_body(body), spec)
         # Until the model cache is filled no pod is started: none made, none rolled.
@@ -170,6 +169,7 @@ class Reconciler:
             url=url,
             to_activator=self._to_activator.get((ns, name), False),
             cache=cache,
+            picker_failed=status.picker_failure(self._picker(Owner.from_body(body), spec)),
         )
         self._write_status(body, prev, new, problem is None and not waiting, logger)
         if problem is None and not waiting:
@@ -202,22 +202,24 @@ class Reconciler:
         (secret,) = [c for c in children if c["kind"] == "Secret"]
         others = [c for c in children if c["kind"] != "Secret"]
         try:
-            found = {c["kind"]: self._read(c) for c in others}
+            # By kind and name: the endpoint picker's Deployment, Service and ConfigMap
+            # stand beside the server's.
+            found = {_key(c): self._read(c) for c in others}
             conflicts = [
-                why
-                for c in others
-                if (why := ownership.conflict(c["kind"], found[c["kind"]], owner))
+                why for c in others if (why := ownership.conflict(c["kind"], found[_key(c)], owner))
             ]
             if conflicts:
                 return None, Problem(status.NAME_CONFLICT, ownership.conflicts_message(conflicts))
             # A dry run of the Deployment first: the API server validates the pass-through
             # fields (affinity, volumes, env) before any child exists, so a bad spec never
             # leaves half-built children.
-            (deployment,) = [c for c in others if c["kind"] == "Deployment"]
-            self._write(deployment, found["Deployment"], owner, logger, dry_run=True)
+            serving = ("Deployment", owner.name)
+            (deployment,) = [c for c in others if _key(c) == serving]
+            self._write(deployment, found[serving], owner, logger, dry_run=True)
             self._create_secret(secret)
-            written = {c["kind"]: self._write(c, found[c["kind"]], owner, logger) for c in others}
+            written = {_key(c): self._write(c, found[_key(c)], owner, logger) for c in others}
             self._delete_stale(owner, spec, to_activator=activator is not None)
+            self._delete_stale_picker(owner, others)
         except ApiException as e:
             if (problem := permanent_problem(e)) is None:
                 raise  # transient: kopf retries with backoff
@@ -228,7 +230,7 @@ class Reconciler:
             self._to_activator[(owner.namespace, owner.name)] = activator is not None
         else:
             self._to_activator.pop((owner.namespace, owner.name), None)
-        live = written["Deployment"]
+        live = written[serving]
         self._deployments.seen((owner.namespace, owner.name), None, live)
         self._applied_generation[(owner.namespace, owner.name)] = live["metadata"]["generation"]
         return live, None
@@ -277,6 +279,33 @@ class Reconciler:
                 preconditions = ownership.delete_preconditions(live)
                 self.kube.delete(api_version, kind, owner.namespace, owner.name, preconditions)
 
+    def _delete_stale_picker(self, owner: Owner, children: list[dict]) -> None:
+        """Delete the endpoint picker's objects not built now (turned off, or renamed): only
+        this object's own. Its Deployment is deleted last, so other stale objects are left
+        only beside a stale Deployment: one list answers for a service with nothing stale
+        (one whose stale Deployment someone else deleted keeps the rest until it goes)."""
+        wanted = {_key(c) for c in children}
+        selector = owned_selector(owner)
+        deployments = self.kube.list("apps/v1", "Deployment", owner.namespace, selector)
+        if all(("Deployment", d["metadata"]["name"]) in wanted for d in deployments):
+            return
+        for api_version, kind in PICKER_KINDS:
+            listed = self.kube.list(api_version, kind, owner.namespace, selector)
+            for obj in listed:
+                name = obj["metadata"]["name"]
+                if (kind, name) not in wanted and ownership.controlled_by(obj, owner):
+                    preconditions = ownership.delete_preconditions(obj)
+                    self.kube.delete(api_version, kind, owner.namespace, name, preconditions)
+
+    def _picker(self, owner: Owner, spec: InferenceServiceSpec | None) -> dict | None:
+        """The deployed endpoint picker's Deployment, when the spec asks for one and it is
+        this service's."""
+        epp = spec.routing.picker if spec is not None else None
+        if epp is None:
+            return None
+        dep = self.kube.read("apps/v1", "Deployment", owner.namespace, picker_name(owner, epp))
+        return dep if dep is not None and ownership.controlled_by(dep, owner) else None
+
     def _write(
         self, child: dict, found: dict | None, owner: Owner, logger, *, dry_run: bool = False
     ) -> dict:
@@ -306,63 +335,6 @@ class Reconciler:
             )
             live = self.kube.replace(drift.restored(live, child))
         return live
-
-    def _check(self, body: dict, ns: str) -> tuple[InferenceServiceSpec | None, Problem | None]:
-        """The parsed spec and its first problem, cheapest checks first: the schema (again,
-        in case the installed CRD is older than this operator), the rules the schema cannot
-        express, then references to other objects."""
-        try:
-            check_name(body["metadata"]["name"])
-            spec = parse_spec(body.get("spec"))
-        except SpecError as e:
-            return None, Problem(status.INVALID_SPEC, str(e))
-        problems = spec_problems(spec)
-        if problems:
-            return spec, Problem(status.INVALID_SPEC, "; ".join(problems))
-        claim = source_claim(spec)
-        if claim and not self.kube.pvc_exists(ns, claim):
-            return spec, Problem(
-                status.MODEL_SOURCE_NOT_FOUND,
-                f"model source {spec.model.source}: PersistentVolumeClaim "
-                f"{claim!r} not found in namespace {ns!r}",
-            )
-        missing = [c for c in adapter_claims(spec) if not self.kube.pvc_exists(ns, c)]
-        if missing:
-            # Mounting a missing claim would leave the new pods Pending: refused up front.
-            return spec, Problem(
-                status.ADAPTER_SOURCE_NOT_FOUND,
-                f"spec.adapters: PersistentVolumeClaim(s) {', '.join(missing)} not found in "
-                f"namespace {ns!r}",
-            )
-        sa = spec.pod.service_account_name
-        account = self.kube.read_service_account(ns, sa) if sa else None
-        if sa and account is None:
-            return spec, Problem(
-                status.SERVICE_ACCOUNT_NOT_FOUND,
-                f"spec.pod.serviceAccountName: ServiceAccount {sa!r} not found in namespace {ns!r}",
-            )
-        if account is not None and not service_account_allowed(account):
-            return spec, Problem(
-                status.SERVICE_ACCOUNT_NOT_ALLOWED,
-                f"spec.pod.serviceAccountName: ServiceAccount {sa!r} is not labelled "
-                f"{LABEL_SA_ALLOWED}=allowed (whoever manages it decides whether "
-                "InferenceServices may run as it)",
-            )
-        kind = autoscaler_kind(spec)
-        if kind and not self.kube.serves(*kind):
-            return spec, Problem(
-                status.AUTOSCALER_NOT_SERVED,
-                f"spec.autoscaling.mode {spec.autoscaling.mode}: the API server serves no "
-                f"{kind[1]} ({kind[0]}); install it or choose another mode",
-            )
-        if spec.routing.inference_pool and not self.kube.serves(*INFERENCE_POOL_KIND):
-            api_version, kind = INFERENCE_POOL_KIND
-            return spec, Problem(
-                status.INFERENCE_POOL_NOT_SERVED,
-                f"spec.routing.inferencePool: the API server serves no {kind} ({api_version}); "
-                "install the Gateway API Inference Extension's CRDs or turn it off",
-            )
-        return spec, None
 
     def admin_token(self, owner: Owner) -> str:
         """The service's admin token, derived from the operator's key (never read back)."""
@@ -409,6 +381,9 @@ class Reconciler:
         if owner is None:
             return
         ns, name = owner
+        if dep["metadata"]["name"] != name:  # the endpoint picker's
+            self._on_picker_event(event_type, dep, logger)
+            return
         self._deployments.seen(owner, event_type, dep)
         if event_type == "DELETED":
             logger.info("Deployment deleted by someone else: restoring it")
@@ -435,9 +410,10 @@ class Reconciler:
                 return
             self._refresh_status(ns, name, dep)
 
-    def _refresh_status(self, ns: str, name: str, dep: dict) -> None:
-        """Status from a Deployment event: replicas and conditions only; a spec problem
-        found by the last reconcile of this generation is kept."""
+    def _refresh_status(self, ns: str, name: str, dep: dict, *, picker: bool = False) -> None:
+        """Status from a Deployment event (the server's, or with ``picker`` the endpoint
+        picker's): replicas and conditions only; a spec problem found by the last reconcile
+        of this generation is kept, and so is the picker's failure on a server event."""
         body = self.kube.read_isvc(ns, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return
@@ -446,7 +422,7 @@ class Reconciler:
         # The Deployment as it is now, not as the event saw it: on a busy operator an event
         # can be handled after a reconcile wrote a newer status, and its older counts would
         # take Ready and the replica counts back (a loaded test run saw both).
-        dep = self.kube.read("apps/v1", "Deployment", ns, dep["metadata"]["name"]) or dep
+        dep = self.kube.read("apps/v1", "Deployment", ns, name) or (None if picker else dep)
         prev = body.get("status") or {}
         # The generation last reconciled, not the object's: an edit not yet applied must not
         # read as observed (nor lose its reconcile's "Applied" event).
@@ -462,9 +438,29 @@ class Reconciler:
             url=prev.get("url"),
             to_activator=self._to_activator.get((ns, name), False),
             cache=status.kept_cache(prev),
+            picker_failed=self._picker_failure(body)
+            if picker
+            else status.kept_picker_failure(prev, generation),
         )
         if any(prev.get(k) != v for k, v in new.items()):
             self.kube.patch_isvc_status(ns, name, new)
+
+    def _picker_failure(self, body: dict) -> str | None:
+        """The failure of the picker the spec deploys now (not of one being deleted)."""
+        try:
+            spec = parse_spec(body.get("spec"))
+        except SpecError:
+            return None
+        return status.picker_failure(self._picker(Owner.from_body(body), spec))
+
+    def _on_picker_event(self, event_type: str | None, dep: dict, logger) -> None:
+        """The endpoint picker's Deployment: restored like any other child, and its
+        conditions refresh Degraded."""
+        ns, name = controller_owner(dep) or ("", "")
+        self.on_child_event(event_type, dep, logger)
+        if event_type != "DELETED":
+            with self._lock(ns, name):
+                self._refresh_status(ns, name, dep, picker=True)
 
     def on_child_event(self, event_type: str | None, child: dict, logger=log) -> None:
         owner = controller_owner(child)

@@ -8,7 +8,9 @@ lastTransitionTime (kept while the status does not change) and observedGeneratio
 - Progressing: a rollout is under way (False with RolloutComplete once it is done).
 - Degraded: the spec cannot be applied as is (InvalidSpec, ModelSourceNotFound, ...), the
   Deployment reports ReplicaFailure or ProgressDeadlineExceeded, or a replica refused a LoRA
-  adapter (AdapterFailed, from status.adapters).
+  adapter (AdapterFailed, from status.adapters), or the endpoint picker the operator runs
+  cannot (EndpointPickerUnavailable: its Deployment's ReplicaFailure or
+  ProgressDeadlineExceeded, e.g. an image that does not pull).
 - ModelCacheReady (with spec.model.cache only): the fill Job has succeeded (Filled), runs
   (Filling: no new pods until it is done) or has failed (Failed, also Degraded).
 """
@@ -53,6 +55,9 @@ MODEL_CACHE_FAILED = "ModelCacheFailed"  # the fill Job failed: retried when it 
 # the adapter sync retries it.
 ADAPTER_FAILED = "AdapterFailed"
 MAX_ADAPTER_FAILURES_NAMED = 5
+# The deployed endpoint picker's Deployment cannot run: not a spec problem either, its
+# Deployment's own conditions say so and clear.
+PICKER_UNAVAILABLE = "EndpointPickerUnavailable"
 SPEC_REASONS = frozenset(
     [
         INVALID_SPEC,
@@ -270,8 +275,30 @@ def adapter_failures(prev: dict | None) -> str | None:
     return "adapter load failed: " + "; ".join(failed[:MAX_ADAPTER_FAILURES_NAMED]) + tail
 
 
+def picker_failure(picker: dict | None) -> str | None:
+    """Why the deployed endpoint picker's Deployment cannot run, from its conditions; None
+    when it can (or there is none)."""
+    if picker is None:
+        return None
+    p = DeploymentView.of(picker)
+    why = p.replica_failure or p.deadline_exceeded
+    return f"endpoint picker Deployment {picker['metadata']['name']}: {why}" if why else None
+
+
+def kept_picker_failure(prev: dict | None, generation: int) -> str | None:
+    """The picker failure recorded for this generation (a server Deployment's event reads
+    no picker)."""
+    c = find_condition(prev, DEGRADED) or {}
+    if c.get("reason") == PICKER_UNAVAILABLE and c.get("observedGeneration") == generation:
+        return c.get("message", "")
+    return None
+
+
 def degraded(
-    d: DeploymentView | None, problem: Problem | None, adapters_failed: str | None = None
+    d: DeploymentView | None,
+    problem: Problem | None,
+    adapters_failed: str | None = None,
+    picker_failed: str | None = None,
 ) -> tuple[bool, str, str]:
     if problem:
         return True, problem.reason, problem.message
@@ -279,6 +306,8 @@ def degraded(
         return True, "ReplicaFailure", d.replica_failure
     if d and d.deadline_exceeded:
         return True, "ProgressDeadlineExceeded", d.deadline_exceeded
+    if picker_failed:
+        return True, PICKER_UNAVAILABLE, picker_failed
     if adapters_failed:
         return True, ADAPTER_FAILED, adapters_failed
     return False, "AsExpected", ""
@@ -320,6 +349,7 @@ def compute_status(
     now: str | None = None,
     to_activator: bool = False,
     cache: CacheState | None = None,
+    picker_failed: str | None = None,
 ) -> dict:
     """The status to merge-patch. Fields owned by the loops (metrics, autoscaling, tuning)
     are left out, so a merge patch keeps them."""
@@ -340,7 +370,11 @@ def compute_status(
                 prev, PROGRESSING, *waiting_progressing(d, problem, filling), generation, now
             ),
             _condition(
-                prev, DEGRADED, *degraded(d, problem, adapter_failures(prev)), generation, now
+                prev,
+                DEGRADED,
+                *degraded(d, problem, adapter_failures(prev), picker_failed),
+                generation,
+                now,
             ),
         ],
     }

@@ -11,6 +11,7 @@ from batchpilot.operator.children.autoscaler import (
 from batchpilot.operator.children.config_map import build_config_map
 from batchpilot.operator.children.deployment import build_deployment, build_pdb
 from batchpilot.operator.children.meta import Owner
+from batchpilot.operator.children.picker import picker_children
 from batchpilot.operator.children.plan import effective_engine
 from batchpilot.operator.children.pool import INFERENCE_POOL_KIND, build_inference_pool
 from batchpilot.operator.children.secret import build_secret
@@ -56,7 +57,8 @@ def build_children(
     activator: Activator | None = None,
 ) -> list[dict]:
     """Every child, in apply order: what the Deployment reads (Secret, ConfigMap) before it,
-    what scales or routes to it after it. ``activator``: given only while the Service
+    what scales or routes to it after it, the endpoint picker last (it waits for its
+    pool). ``activator``: given only while the Service
     routes there (routes_to_activator)."""
     engine = effective_engine(spec, loops)
     slice_ = [build_activator_slice(owner, activator)] if activator else []
@@ -68,4 +70,5 @@ def build_children(
         build_pdb(owner),
         build_deployment(owner, spec, image=image, admin_token=admin_token, loops=loops),
         *optional_children(owner, spec),
+        *picker_children(owner, spec),
     ]

@@ -7,7 +7,13 @@ import json
 
 from batchpilot import names
 from batchpilot.operator.crd.engine import EngineSpec
-from batchpilot.operator.flags import BOOL_KNOBS, ENABLE_LORA, ENGINE_KNOBS, LORA_KNOBS
+from batchpilot.operator.flags import (
+    BOOL_KNOBS,
+    ENABLE_LORA,
+    ENGINE_KNOBS,
+    KV_EVENTS_CONFIG,
+    LORA_KNOBS,
+)
 
 # The engine settings the operator applied (JSON, on the Deployment's own metadata: a
 # change of it alone never rolls the pods).
@@ -17,6 +23,12 @@ ANN_ENGINE = "batchpilot.dev/engine"
 # service's ConfigMap: a tuned value changes the ConfigMap, never the pod template, so it
 # rolls nothing (running pods get it live through /admin/config).
 MAX_NUM_SEQS_ENV = "BATCHPILOT_MAX_NUM_SEQS"
+
+# The KV-cache events' PUB socket on each server pod (vLLM's default endpoint), where the
+# deployed picker's precise prefix scorer subscribes; POD_IP_ENV names the pod in the topic.
+KV_EVENTS_PORT = 5557
+KV_EVENTS_PORT_NAME = "kv-events"
+POD_IP_ENV = "POD_IP"
 
 
 def _field(knob: names.Knob) -> str:
@@ -74,3 +86,17 @@ def read_engine_settings(deployment: dict) -> dict:
     except ValueError:
         return {}
     return settings if isinstance(settings, dict) else {}
+
+
+def kv_events_args(served_name: str) -> list[str]:
+    """--kv-events-config for the picker's precise prefix scorer: bound on every interface
+    (llm-d's pod discovery connects to each pod), with the topic llm-d parses as
+    kv@<pod>@<model>; its pod is the address the scorer knows the endpoint by, <ip>:<port>
+    (llm-d-kv-cache's architecture.md). Kubernetes expands $(POD_IP) from the env."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+        "topic": f"kv@$({POD_IP_ENV}):{names.DEFAULT_PORT}@{served_name}",
+    }
+    return [KV_EVENTS_CONFIG, json.dumps(config, separators=(",", ":"))]

@@ -8,7 +8,14 @@ import math
 
 from batchpilot import names
 from batchpilot.operator.children.config_map import LORA_MODULES_KEY, config_map_name
-from batchpilot.operator.children.engine_args import MAX_NUM_SEQS_ENV, engine_args
+from batchpilot.operator.children.engine_args import (
+    KV_EVENTS_PORT,
+    KV_EVENTS_PORT_NAME,
+    MAX_NUM_SEQS_ENV,
+    POD_IP_ENV,
+    engine_args,
+    kv_events_args,
+)
 from batchpilot.operator.children.meta import (
     ADMIN_PORT,
     ADMIN_PORT_NAME,
@@ -70,8 +77,9 @@ def spec_problems(spec: InferenceServiceSpec) -> list[str]:
     """What the schema cannot express but the operator rejects before building anything
     (engine.extraArgs are checked by the schema's own rule)."""
     problems = []
+    reserved = RESERVED_ENV | ({POD_IP_ENV} if spec.routing.precise_prefix else set())
     for env in spec.pod.env:
-        if env.name in RESERVED_ENV:
+        if env.name in reserved:
             problems.append(f"spec.pod.env: {env.name} is set by the operator")
     return problems
 
@@ -91,6 +99,7 @@ def server_args(spec: InferenceServiceSpec, engine: EngineSpec, model: ModelPlan
         model.served_name,
         *engine_args(engine, live_max_num_seqs=spec.tuning.enabled),
         *resolver_args(spec),
+        *(kv_events_args(model.served_name) if spec.routing.precise_prefix else []),
         "--max-queue-len",
         str(s.max_queue_len),
         "--shutdown-timeout",
@@ -141,6 +150,9 @@ def server_env(owner: Owner, spec: InferenceServiceSpec, token: str) -> list[dic
         env.append({"name": names.LORA_MODULES_ENV, "valueFrom": {"configMapKeyRef": ref}})
     if (threads := cpu_threads(spec)) is not None:
         env.append({"name": names.CPU_THREADS_ENV, "value": str(threads)})
+    if spec.routing.precise_prefix:  # the KV events' topic names the pod by it
+        ip = {"fieldRef": {"fieldPath": "status.podIP"}}
+        env.append({"name": POD_IP_ENV, "valueFrom": ip})
     return env + [e.to_api() for e in spec.pod.env]
 
 
@@ -217,6 +229,12 @@ def container_resources(spec: InferenceServiceSpec) -> dict:
     return {k: {n: str(q) for n, q in v.items()} for k, v in spec.resources.to_api().items() if v}
 
 
+def kv_events_ports(spec: InferenceServiceSpec) -> list[dict]:
+    if not spec.routing.precise_prefix:
+        return []
+    return [{"name": KV_EVENTS_PORT_NAME, "containerPort": KV_EVENTS_PORT, "protocol": "TCP"}]
+
+
 def build_container(
     owner: Owner,
     spec: InferenceServiceSpec,
@@ -233,6 +251,7 @@ def build_container(
         "ports": [
             {"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"},
             {"name": ADMIN_PORT_NAME, "containerPort": ADMIN_PORT, "protocol": "TCP"},
+            *kv_events_ports(spec),
         ],
         "env": server_env(owner, spec, token),
         # Probed every 2 s: a replica woken from zero serves what the activator holds as soon

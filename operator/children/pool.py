@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from batchpilot.operator.children.meta import PORT, Owner, child_metadata, selector_labels
+from batchpilot.operator.children.picker import picker_name
 from batchpilot.operator.crd.spec import InferenceServiceSpec
 
 # A child only with spec.routing.inferencePool: the reconcile deletes it after.
@@ -15,6 +16,8 @@ def build_inference_pool(owner: Owner, spec: InferenceServiceSpec) -> dict:
     each pod's vLLM queue and KV-cache metrics on the serving port."""
     epp = spec.routing.endpoint_picker
     assert epp is not None  # RoutingSpec's rule
+    # The picker the operator deploys, or the user's Service.
+    service = picker_name(owner, epp) if epp.deployed else epp.name
     return {
         "apiVersion": INFERENCE_POOL_KIND[0],
         "kind": INFERENCE_POOL_KIND[1],
@@ -25,7 +28,7 @@ def build_inference_pool(owner: Owner, spec: InferenceServiceSpec) -> dict:
             "appProtocol": "http",
             "endpointPickerRef": {
                 "kind": "Service",
-                "name": epp.name,
+                "name": service,
                 "port": {"number": epp.port},
                 "failureMode": epp.failure_mode,
             },

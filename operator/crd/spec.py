@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationError
 
+from batchpilot.operator import flags
 from batchpilot.operator.crd.autoscaling import AutoscalingSpec
 from batchpilot.operator.crd.base import CamelModel, Rule
 from batchpilot.operator.crd.engine import (
@@ -20,6 +21,13 @@ from batchpilot.operator.crd.engine import (
 from batchpilot.operator.crd.pod import PodSpec, ResourceRequirements
 from batchpilot.operator.crd.routing import RoutingSpec
 from batchpilot.operator.crd.tuning import SLOSpec, TuningSpec
+
+# RoutingSpec.precise_prefix in CEL: the picker the operator deploys reads KV-cache events.
+_EPP = "self.routing.endpointPicker"
+PRECISE_PREFIX_CEL = (
+    f"self.routing.inferencePool && has({_EPP}) && ({_EPP}.deploy || has({_EPP}.image)) && "
+    f"{_EPP}.scorers.prefixCache.mode == 'precise' && {_EPP}.scorers.prefixCache.weight > 0"
+)
 
 
 class InferenceServiceSpec(CamelModel):
@@ -47,6 +55,14 @@ class InferenceServiceSpec(CamelModel):
     sends (vLLM's filesystem LoRA resolver). Setting or changing it rolls the pods."""
 
     rules = (
+        Rule(
+            cel=f"!({PRECISE_PREFIX_CEL}) || {flags.KV_EVENTS_CEL}",
+            message=f"engine.extraArgs may not set {flags.KV_EVENTS_CONFIG} while the "
+            "deployed endpoint picker's prefix scorer is precise: the operator renders it",
+            check=lambda s: (
+                not s.routing.precise_prefix or not flags.sets_kv_events(s.engine.extra_args)
+            ),
+        ),
         Rule(
             cel="!has(self.adapters) || self.adapters.all(a, "
             "self.adapters.exists_one(b, b.name == a.name))",

@@ -830,9 +830,13 @@ def test_install_rbac_and_uninstall(k8s, namespace):
         assert not sar(k8s, user, "list", "nodes")
         assert not sar(k8s, user, "get", "nodes")
         assert not sar(k8s, user, "delete", "customresourcedefinitions", "apiextensions.k8s.io")
-        assert not sar(k8s, user, "delete", "deployments", "apps", watched)
+        # Deletes of the endpoint picker's Deployment, yes; of a PodDisruptionBudget, no.
+        assert sar(k8s, user, "delete", "deployments", "apps", watched)
+        assert not sar(k8s, user, "delete", "poddisruptionbudgets", "policy", watched)
         assert not sar(k8s, user, "create", "clusterrolebindings", "rbac.authorization.k8s.io")
-        assert not sar(k8s, user, "escalate", "roles", "rbac.authorization.k8s.io", watched)
+        # Roles only with the rights it holds itself: no escalate, no bind.
+        for verb in ("escalate", "bind"):
+            assert not sar(k8s, user, verb, "roles", "rbac.authorization.k8s.io", watched)
         # An InferenceService in the watched namespace is visible to it.
         assert sar(k8s, user, "watch", PLURAL, GROUP, watched)
         assert VERSION

@@ -8,13 +8,17 @@ made by someone else is left alone."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 import yaml
 from kubernetes import client
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import NotFoundError as DynamicNotFound
 
 from batchpilot.operator.children.meta import PORT, selector_labels
+from batchpilot.operator.children.picker import PICKER_KINDS, PICKER_RULES
 from batchpilot.operator.children.pool import INFERENCE_POOL_KIND
 from tests.k8s.cluster import gie_crd, versions
 from tests.support.cluster import Api, not_found, operator
@@ -182,3 +186,61 @@ def test_the_crd_under_test_is_the_gie_modules_own():
     assert annotations["inference.networking.k8s.io/bundle-version"] == versions()["GIE_VERSION"]
     assert crd["spec"]["group"] == POOL_GROUP
     assert [v["name"] for v in crd["spec"]["versions"] if v["served"]] == [POOL_VERSION]
+
+
+EPP_IMAGE = "registry.k8s.io/gateway-api-inference-extension/epp:v1.5.0"
+DEPLOYED = {"inferencePool": True, "endpointPicker": {"image": EPP_IMAGE}}
+
+
+def picker_objects(cluster: Api, name: str) -> dict[str, dict]:
+    """The picker objects of that name, by kind, as the API server has them."""
+    found, dynamic = {}, DynamicClient(cluster.k8s.api)
+    for api_version, kind in PICKER_KINDS:
+        resource = dynamic.resources.get(api_version=api_version, kind=kind)
+        with contextlib.suppress(DynamicNotFound):
+            found[kind] = resource.get(name=name, namespace=cluster.ns).to_dict()
+    return found
+
+
+def test_the_crd_refuses_a_deployed_picker_without_its_image_or_pool(api):
+    for routing, message in (
+        ({"inferencePool": True, "endpointPicker": {"deploy": True}}, "image is required"),
+        ({"endpointPicker": {"image": EPP_IMAGE}}, "deploy needs routing.inferencePool"),
+        ({"inferencePool": True, "endpointPicker": {"port": 9002}}, "name is required unless"),
+    ):
+        with pytest.raises(client.ApiException) as e:
+            api.create("bad", {"routing": routing})
+        assert e.value.status == 422, e.value.body
+        assert message in json.loads(e.value.body)["message"]
+
+
+def test_the_operator_runs_the_endpoint_picker(api, k8s):
+    install_gie(k8s)
+    with operator(api):
+        api.create("chat", {"routing": DEPLOYED})
+        objs = wait_for(
+            "the picker's six objects",
+            lambda: len(o := picker_objects(api, "chat-epp")) == len(PICKER_KINDS) and o,
+            timeout=120,
+            not_yet=not_found,
+        )
+        uid = api.get("chat")["metadata"]["uid"]
+        for kind, obj in objs.items():
+            (owner,) = obj["metadata"]["ownerReferences"]
+            assert (owner["uid"], owner["controller"]) == (uid, True), kind
+            assert obj["metadata"]["labels"]["app.kubernetes.io/component"] == "endpoint-picker"
+        # The API server took GIE's Role rules from the operator (it holds them: no
+        # escalation), and the pool points at the picker's Service.
+        assert objs["Role"]["rules"] == PICKER_RULES
+        ref = wait_for("the pool", lambda: pool(api, "chat"), timeout=60, not_yet=not_found)
+        assert ref["spec"]["endpointPickerRef"]["name"] == "chat-epp"
+
+        # Turned off (a picker the user runs instead): every picker object goes.
+        api.patch("chat", {"routing": {"endpointPicker": {"image": None, "name": "theirs"}}})
+        wait_for(
+            "the picker's objects deleted",
+            lambda: not picker_objects(api, "chat-epp"),
+            timeout=120,
+            not_yet=not_found,
+        )
+        assert pool(api, "chat")["spec"]["endpointPickerRef"]["name"] == "theirs"
