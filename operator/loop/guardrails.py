@@ -2,9 +2,14 @@
 
 - Queue: requests waited in this turn and the one before with every slot busy, and no
   memory thrash: raise max_num_seqs at once to the safe cap, the model's plan (its latency
-  and KV caps), or twice today's value before the model can speak; never past what the KV
-  cache held at the window's peak usage per sequence. A raise made on a queue is undone
-  only by the thrash or latency guardrail, never by a goodput window.
+  and KV caps), or room for the whole queue (at least twice today's value) before the
+  model can speak; never past what the KV cache held at the window's peak usage per
+  sequence. Past the plan when the replica is overloaded at it (the queue grows there, or
+  the demand is more than the plan completes): then every queued request misses its TTFT,
+  a larger loss than a TPOT over target, so the cap is the model's KV cap (room for the
+  queue while the KV cache is unknown). A raise made on a queue is undone only by the
+  thrash or latency guardrail, never by a goodput window. The queue is the last turn's, so
+  a long quiet spell does not average it away.
 - KV thrash (preemptions or swaps per 1,000 generated tokens over a bound, worst replica):
   fp8 when allowed, else lower to the count the KV cache held, at most halving.
 - Latency: fewer than ``latency_attainment`` of the window's requests met the TPOT target,
@@ -100,11 +105,28 @@ def thrash(
     )
 
 
+def overloaded(s: EngineSettings, model: ModelState, plan: Plan | None) -> bool:
+    """The plan cannot keep up: the demand is more requests a second than it completes
+    within the SLO, or the queue grows at it."""
+    if plan is None:
+        return False
+    at_plan = s.max_num_seqs >= plan.max_num_seqs
+    return model.per_replica().rate > plan.capacity or (at_plan and model.queue_growing())
+
+
 def safe_cap(w: Window, s: EngineSettings, spec: InferenceServiceSpec, plan: Plan | None,
-             limits: TuneLimits) -> int:  # fmt: skip
+             limits: TuneLimits, overload: bool = False) -> int:  # fmt: skip
     """The highest max_num_seqs the loop may raise to at once."""
     running = w.per_replica(w.running)
-    cap = plan.max_num_seqs if plan is not None else 2 * max(s.max_num_seqs, math.ceil(running))
+    # Room for the whole queue at once, at least twice today's: a second raise would come
+    # a turn and a longer queue later.
+    room = max(2 * s.max_num_seqs, math.ceil(running + w.per_replica(w.waiting)))
+    if plan is None:
+        cap = room
+    elif overload:
+        cap = room if plan.kv_cap is None else plan.kv_cap
+    else:
+        cap = plan.max_num_seqs
     if w.kv_cache_usage_peak > 0 and running > 0:
         held = running * limits.kv_raise_bound / w.kv_cache_usage_peak
         if math.isfinite(held):
@@ -127,10 +149,15 @@ def queue(
         return None
     if running < limits.slot_busy_fraction * s.max_num_seqs or worst_thrash(replicas) > 0:
         return None
-    new = safe_cap(w, s, spec, plan, limits)
+    overload = overloaded(s, model, plan)
+    new = safe_cap(w, s, spec, plan, limits, overload)
     if new <= s.max_num_seqs:
         return None
-    source = "the model's plan" if plan is not None else "twice today's batch (model not ready)"
+    source = (
+        "room for the queue (model not ready)" if plan is None
+        else f"past the plan's {plan.max_num_seqs}: overloaded there" if overload
+        else "the model's plan"
+    )  # fmt: skip
     why = (
         f"queue: {waiting:.1f} waiting per replica with {running:.1f} of "
         f"{s.max_num_seqs} slots busy: max_num_seqs {s.max_num_seqs} -> {new} ({source})"

@@ -89,6 +89,12 @@ def decide_tuning(
     if window is None or window.replicas == 0:
         return _hold(state, settings, "no metrics", now)
     if window.span_seconds < limits.min_window_seconds:
+        # A queue with every slot busy needs no long look: its raise is the safe direction,
+        # and each turn it waits adds to a backlog every later request pays for.
+        if c := guard.queue(
+            _recent(view), view.replicas, settings, spec, state.model, None, limits
+        ):
+            return _apply(state, c, now, {})
         return _hold(
             state, settings, f"observing: {window.span_seconds:.0f} s of metrics so far", now
         )
@@ -109,7 +115,7 @@ def decide_tuning(
         thrash = None
     for c in (
         thrash,
-        guard.queue(window, replicas, settings, spec, m, p, limits),
+        guard.queue(_recent(view), replicas, settings, spec, m, p, limits),
         guard.latency(window, settings, spec, m, fit, p, now, limits),
         guard.loras(window, settings, spec, limits),
     ):
@@ -119,6 +125,13 @@ def decide_tuning(
         why = f"{bound}, and max_loras is at tuning.maxLoras.max: scaling out is the autoscaler's"
         return _hold(state, settings, why, now, inputs)
     return _planned(view, spec, state, settings, now, limits, p, inputs)
+
+
+def _recent(view: View) -> Window:
+    """The queue guardrail's window: the last turn's, so a queue that began after a long
+    quiet spell is not averaged away by it; the service's when there is none."""
+    w = view.latest
+    return w if w is not None and w.replicas and w.span_seconds > 0 else view.service
 
 
 def _emergency(view: View, spec, state: TunerState, settings, now, limits) -> Candidate | None:
@@ -131,7 +144,7 @@ def _emergency(view: View, spec, state: TunerState, settings, now, limits) -> Ca
     thrash = guard.thrash(w, view.replicas, settings, spec, limits, p)
     if thrash is not None and thrash.kind == "fp8":
         return thrash
-    return guard.queue(w, view.replicas, settings, spec, state.model, p, limits)
+    return guard.queue(_recent(view), view.replicas, settings, spec, state.model, p, limits)
 
 
 def _plan(state: TunerState, spec: InferenceServiceSpec, s: EngineSettings, w: Window) -> Plan:

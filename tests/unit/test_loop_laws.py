@@ -286,6 +286,54 @@ def test_a_queue_raise_stops_at_the_kv_peak_the_spec_maximum_and_the_step_budget
     )  # fmt: skip
 
 
+def test_before_the_model_a_deep_queue_gets_room_for_all_of_it_at_once():
+    # 8 running and 20 waiting: 28 slots in one move, not 16 now and 32 a turn later.
+    assert guarded(busy(waiting=20)) == ("raise", EngineSettings(28))
+    # The KV cache's peak still bounds it: 8 sequences filled 40 %, so 17 fit at 85 %.
+    assert guarded(busy(waiting=20, kv_peak=0.4)) == ("raise", EngineSettings(17))
+
+
+def test_overloaded_at_the_plan_the_queue_raises_past_it_to_the_kv_cap():
+    # Arrivals twice what the plan completes within the SLO: every queued request will miss
+    # its TTFT, so the latency cap gives way to the KV cap.
+    model = ready_model()
+    p = plan(model.fit(), model.demand, 0.1, Bounds(2, 64), 8, None, (2000, 16))
+    at_plan = EngineSettings(p.max_num_seqs)
+    w = busy(running=p.max_num_seqs, max_num_seqs=p.max_num_seqs, waiting=p.max_num_seqs)
+    calm = replace(model, queue=(3, 3))
+    assert guard.queue(w, {R0: w}, at_plan, TUNE, calm, p, LIMITS) is None  # not overloaded
+    hot = replace(calm, demand=replace(model.demand, rate=2 * p.capacity))
+    got = guard.queue(w, {R0: w}, at_plan, TUNE, hot, p, LIMITS)
+    assert got.settings.max_num_seqs == min(p.kv_cap, 64) > p.max_num_seqs
+    assert "overloaded" in got.reason
+    # The same when the queue grows three turns running at the plan, whatever the rate says.
+    growing = replace(calm, queue=(3, 5, 9))
+    got = guard.queue(w, {R0: w}, at_plan, TUNE, growing, p, LIMITS)
+    assert got.settings.max_num_seqs == min(p.kv_cap, 64)
+    # Below the plan a growing queue raises to the plan first.
+    below = EngineSettings(p.max_num_seqs // 2)
+    w = busy(running=below.max_num_seqs, max_num_seqs=below.max_num_seqs, waiting=3)
+    got = guard.queue(w, {R0: w}, below, TUNE, growing, p, LIMITS)
+    assert got.settings.max_num_seqs == p.max_num_seqs
+
+
+def test_the_queue_guardrail_reads_the_last_turn_and_acts_on_the_first_15_seconds():
+    # Since the last change the service was mostly idle (2 running on average), but in the
+    # last turn every slot was busy with a queue: the last turn decides.
+    quiet, now_busy = replica(R0, running=2, waiting=0.1), busy(waiting=6, span=15.0)
+    v = View(service=quiet, replicas={R0: quiet}, latest=now_busy)
+    d, _ = decide_tuning(v, TUNE, queue_state(6), AT8, 1000.0)
+    assert (d.action, d.kind, d.settings) == ("guard", "raise", EngineSettings(16))
+    # A first window of 15 s (every other decision waits for 30 s): the queue still raises.
+    v = View(service=now_busy, replicas={R0: now_busy}, latest=now_busy)
+    d, _ = decide_tuning(v, TUNE, queue_state(6), AT8, 1000.0)
+    assert (d.action, d.kind) == ("guard", "raise")
+    calm = replica(R0, running=2, span=15.0)
+    v = View(service=calm, replicas={R0: calm}, latest=calm)
+    d, _ = decide_tuning(v, TUNE, TunerState(settings=AT8), AT8, 1000.0)
+    assert d.action == "hold" and d.reason.startswith("observing: 15 s")
+
+
 def test_thrash_lowers_to_what_the_kv_cache_held_at_most_halving():
     # 12 running filled 95 % of the cache: it holds 10 at 85 %.
     thrash = replica(R0, running=12, preemptions=20, kv=0.95, tokens=50, max_num_seqs=16)
