@@ -68,6 +68,10 @@ CPU_CACHE_USAGE = "vllm:cpu_cache_usage_perc"
 NUM_PREEMPTIONS = "vllm:num_preemptions_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
+# vLLM v1's prefix-cache counters, in prompt tokens: looked up at admission, and of those
+# found in cached blocks (hit rate = hits / queries over a window).
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"
 TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
 INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
 E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
@@ -91,6 +95,16 @@ REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
 REQUEST_ARRIVALS = "batchpilot:request_arrivals_total"
 # Age of the oldest request waiting to be scheduled; 0 when none waits.
 OLDEST_WAITING_SECONDS = "batchpilot:oldest_waiting_seconds"
+# The service's SLO, per request as clients see it: the operator passes spec.slo's targets to
+# a tuned service's pods, and the server counts each finished request against both, so the
+# loop's score is exact wherever a vLLM histogram bucket straddles a target (TPOT's run
+# 25 -> 50 ms). Not in ALL_METRICS: they exist only with the targets given.
+# Server flags (spec.slo.timeToFirstTokenSeconds and .interTokenLatencySeconds), not engine
+# knobs: they change what is counted, never what is scheduled.
+SLO_TTFT_FLAG = "--slo-time-to-first-token-seconds"
+SLO_TPOT_FLAG = "--slo-inter-token-latency-seconds"
+SLO_REQUESTS = "batchpilot:slo_requests_total"  # finished requests judged against the SLO
+SLO_REQUESTS_MET = "batchpilot:slo_requests_met_total"  # of those, within both targets
 # Step cost, by the labels below: the step's batch size rounded up to a bucket ("+Inf" past
 # the last) and whether it carried prompt tokens. A label set exists once a step had it,
 # so these are not in ALL_METRICS.
@@ -150,6 +164,8 @@ ALL_METRICS = (
     NUM_PREEMPTIONS,
     PROMPT_TOKENS,
     GENERATION_TOKENS,
+    PREFIX_CACHE_QUERIES,
+    PREFIX_CACHE_HITS,
     TIME_TO_FIRST_TOKEN,
     INTER_TOKEN_LATENCY,
     E2E_REQUEST_LATENCY,

@@ -55,6 +55,8 @@ MANAGED_FLAGS = tuple(
             LORA_MODULES,
             PRELOAD_LORA_MODULES,
             LORA_RESOLVER_DIR,
+            names.SLO_TTFT_FLAG,
+            names.SLO_TPOT_FLAG,
         ]
         + [k.flag for k in (*ENGINE_KNOBS, *LORA_KNOBS)]
         + ["--no-" + k.flag[2:] for k in ENGINE_KNOBS if k.name in BOOL_KNOBS]

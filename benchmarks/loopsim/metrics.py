@@ -82,6 +82,8 @@ COUNTERS = (
     (names.GENERATION_TOKENS, "gen"),
     (names.PROMPT_TOKENS, "prompt"),
     (names.REQUEST_ARRIVALS, "arrivals"),
+    (names.SLO_REQUESTS, "slo_requests"),  # only with targets, as on the server
+    (names.SLO_REQUESTS_MET, "slo_met"),
 )
 
 

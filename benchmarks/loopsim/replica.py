@@ -44,6 +44,8 @@ class ReplicaConfig:
     kv_cache_bytes: int = 1 << 30
     swap_space_bytes: int = 4 << 30
     max_num_batched_tokens: int = 2048
+    # (TTFT, TPOT) targets the server was given (names.SLO_TTFT/TPOT): counted per request.
+    slo: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,9 @@ class ReplicaSim:
         self.counters = dict.fromkeys(
             ("preemptions", "swaps_out", "swaps_in", "gen", "prompt", "arrivals"), 0
         )
+        self.slo = config.slo
+        if self.slo is not None:
+            self.counters.update(slo_requests=0, slo_met=0)
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)  # per finished request with 2+ output tokens
@@ -306,6 +311,11 @@ class ReplicaSim:
         self.generation_tokens.observe(req.output_len)
         if req.output_len >= 2:
             self.tpot.observe(finished.tpot)
+        if self.slo is not None:
+            self.counters["slo_requests"] += 1
+            self.counters["slo_met"] += (
+                finished.ttft <= self.slo[0] and finished.tpot <= self.slo[1]
+            )
 
     # -- preemption and swapping
 

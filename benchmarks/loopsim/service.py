@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from batchpilot.operator.crd.spec import InferenceServiceSpec
 from batchpilot.operator.loop.observe import Observer
@@ -122,6 +122,8 @@ class ServiceSim:
 
     def _add_pod(self, config: ReplicaConfig, ready_at: float) -> _Pod:
         n = next(self._names)
+        if self.spec.tuning.enabled:  # as the operator passes spec.slo to tuned pods
+            config = replace(config, slo=slo_targets(self.spec))
         engine = ReplicaSim(
             f"sim://replica-{n}", config, self.calibration.model, start=ready_at,
             noise=self.noise, seed=hash((self._seed, n)),

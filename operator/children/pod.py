@@ -100,12 +100,25 @@ def server_args(spec: InferenceServiceSpec, engine: EngineSpec, model: ModelPlan
         *engine_args(engine, live_max_num_seqs=spec.tuning.enabled),
         *resolver_args(spec),
         *(kv_events_args(model.served_name) if spec.routing.precise_prefix else []),
+        *slo_args(spec),
         "--max-queue-len",
         str(s.max_queue_len),
         "--shutdown-timeout",
         str(s.shutdown_timeout_seconds),
         *engine.extra_args,
     ]
+
+
+def slo_args(spec: InferenceServiceSpec) -> list[str]:
+    """spec.slo's targets, on tuned services only: the server counts each request against
+    them and the tuner's score reads the counts. Other templates stay as they were."""
+    if not spec.tuning.enabled:
+        return []
+    targets = (
+        (names.SLO_TTFT_FLAG, spec.ttft_target_seconds),
+        (names.SLO_TPOT_FLAG, spec.itl_target_seconds),
+    )
+    return [f"{flag}={seconds:g}" for flag, seconds in targets]
 
 
 def resolver_args(spec: InferenceServiceSpec) -> list[str]:

@@ -235,6 +235,10 @@ class Window:
     prompt_tokens_sum: float = 0.0
     output_tokens_sum: float = 0.0
     requests_finished: float = 0.0
+    # Finished requests the server judged against the SLO it was given, and those within
+    # both targets (exact where a histogram bucket straddles a target); 0 without targets.
+    slo_requests: float = 0.0
+    slo_requests_met: float = 0.0
     arrivals_per_second: float = 0.0  # requests accepted, summed over replicas
     oldest_waiting_seconds: float = 0.0  # the latest scrape's; the longest over replicas
     steps: tuple[StepCell, ...] = ()  # step-cost increases by (batch_le, phase)
@@ -315,6 +319,10 @@ def replica_window(url: str, samples: Sequence[Sample]) -> Window:
         for s in samples
         if s.lora is not None
     ]
+
+    def counted(counter: str) -> float:
+        return increase([s.counters.get(counter, 0.0) for s in samples])
+
     return Window(
         replicas=1,
         span_seconds=span,
@@ -337,6 +345,8 @@ def replica_window(url: str, samples: Sequence[Sample]) -> Window:
         lora_bottleneck=sum(starved) / len(starved) if starved else 0.0,
         max_loras={url: last.lora.max_loras} if last.lora else {},
         arrivals_per_second=rate(names.REQUEST_ARRIVALS),
+        slo_requests=counted(names.SLO_REQUESTS),
+        slo_requests_met=counted(names.SLO_REQUESTS_MET),
         **_model_inputs(url, samples),
     )
 
@@ -397,6 +407,8 @@ def merge_windows(windows: Sequence[Window]) -> Window | None:
         prompt_tokens_sum=sum(w.prompt_tokens_sum for w in windows),
         output_tokens_sum=sum(w.output_tokens_sum for w in windows),
         requests_finished=sum(w.requests_finished for w in windows),
+        slo_requests=sum(w.slo_requests for w in windows),
+        slo_requests_met=sum(w.slo_requests_met for w in windows),
         arrivals_per_second=sum(w.arrivals_per_second for w in windows),
         oldest_waiting_seconds=max(w.oldest_waiting_seconds for w in windows),
         steps=observe_steps.merge_steps(w.steps for w in windows),

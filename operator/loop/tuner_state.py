@@ -93,6 +93,9 @@ class Move:
         return f"{self.kind} from {self.before.key}"
 
 
+MIN_BLOCKS = 4  # turns in a tally before its turn-to-turn spread counts
+
+
 @dataclass(frozen=True)
 class Score:
     """A window reduced to the SLO as clients see it, per replica: the share of requests
@@ -107,6 +110,7 @@ class Score:
     seconds: float
     tpot_p90: float | None = None
     ttft_p99: float | None = None
+    variance: float | None = None  # of ``attainment``, from its turns (Tally), when known
 
     @property
     def load(self) -> float:
@@ -146,26 +150,61 @@ class Score:
 @dataclass(frozen=True)
 class Tally:
     """Requests counted by a test so far, and how many met the SLO: the test reads each
-    turn's new requests and adds them (the observer keeps one minute; a test runs ten)."""
+    turn's new requests and adds them (the observer keeps one minute; a test runs ten).
+    Each turn is also kept as a block (its requests r and share a, as sums of r², r²a and
+    r²a²), so the test can see how much the share moves from turn to turn: misses come in
+    bursts (a queue, a long prompt), and counting requests as independent would make a
+    burst look like a verdict."""
 
     requests: float = 0.0
     within: float = 0.0
+    blocks: int = 0
+    sq_requests: float = 0.0  # sum of r²
+    sq_within: float = 0.0  # sum of r²·a
+    sq_within2: float = 0.0  # sum of r²·a²
 
     def add(self, s: Score | None) -> Tally:
-        if s is None:
+        if s is None or s.requests <= 0:
             return self
-        return Tally(self.requests + s.requests, self.within + s.requests * s.attainment)
+        r, a = s.requests, s.attainment
+        return Tally(
+            self.requests + r, self.within + r * a, self.blocks + 1,
+            self.sq_requests + r * r, self.sq_within + r * r * a, self.sq_within2 + r * r * a * a,
+        )  # fmt: skip
+
+    def block_variance(self) -> float | None:
+        """The batch-means variance of the share (a ratio estimator over the turns); None
+        under MIN_BLOCKS turns, too few to say how much it moves."""
+        if self.blocks < MIN_BLOCKS or self.requests <= 0:
+            return None
+        share = self.within / self.requests
+        spread = self.sq_within2 - 2 * share * self.sq_within + share * share * self.sq_requests
+        n = self.blocks
+        return max(spread, 0.0) * n / (n - 1) / (self.requests * self.requests)
 
     def score(self, seconds: float) -> Score:
         share = self.within / self.requests if self.requests else 1.0
-        return Score(self.requests, share, 0.0, 0.0, 0.0, seconds)
+        return Score(self.requests, share, 0.0, 0.0, 0.0, seconds, variance=self.block_variance())
 
     def to_status(self) -> dict:
-        return {"requests": round(self.requests, 2), "within": round(self.within, 2)}
+        return {
+            "requests": round(self.requests, 2),
+            "within": round(self.within, 2),
+            "blocks": self.blocks,
+            "sqRequests": round(self.sq_requests, 2),
+            "sqWithin": round(self.sq_within, 2),
+            "sqWithin2": round(self.sq_within2, 2),
+        }
 
     @classmethod
     def from_status(cls, d: dict | None) -> Tally:
-        return cls(float(d["requests"]), float(d["within"])) if d else cls()
+        if not d:
+            return cls()
+        return cls(
+            float(d["requests"]), float(d["within"]), int(d.get("blocks", 0)),
+            float(d.get("sqRequests", 0.0)), float(d.get("sqWithin", 0.0)),
+            float(d.get("sqWithin2", 0.0)),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,13 @@
 """The no-harm test of a planned change, and the score it reads.
 
 The score is the SLO as clients see it, per request (vLLM's and guidellm's definitions):
-the share of finished requests whose mean time per output token (the server's
-``vllm:request_time_per_output_token_seconds``) and time to first token met their targets,
-with requests still waiting past the TTFT target counted as misses, so that a change which
-builds a queue is not credited before its misses are recorded.
+the share of finished requests whose mean time per output token and time to first token
+met their targets, with requests still waiting past the TTFT target counted as misses, so
+that a change which builds a queue is not credited before its misses are recorded. A
+server given the targets counts each request against both (``batchpilot:slo_requests_*``);
+otherwise the shares come from vLLM's histograms, interpolated inside the bucket that holds
+each target (TPOT's buckets run 25 -> 50 ms: a 30 ms target reads a fifth of that bucket
+as within, whatever it holds), and the two shares are taken as independent.
 
 The test is paired and sequential, a non-inferiority test: with two or more replicas the
 canary (chosen at random) against the other replicas over the same window; with one
@@ -14,7 +17,10 @@ docs/tuning.md says so). At each turn, the change passes when the lower confiden
 is below -``MARGIN`` or the canary's step time at matched batch sizes is ``STEP_SLACK`` over
 the control's. A constant boundary of ``Z`` over at most 40 looks (10 min at 15 s) keeps
 the one-sided error of passing a harmful change near 5 % (Pocock's constant for 40 looks).
-No verdict by ``MAX_SECONDS``: not shown harmless, so it fails.
+No verdict by ``MAX_SECONDS``: not shown harmless, so it fails. A share's variance is the
+binomial one, or the spread of its per-turn shares (batch means) when that is larger:
+misses come in bursts (a queue, a run of long prompts), and requests counted as
+independent would turn one burst into a verdict.
 """
 
 from __future__ import annotations
@@ -56,15 +62,19 @@ def share_within(buckets: Buckets, target: float) -> float:
 
 
 def score(w: Window, targets: Targets) -> Score:
-    finished = w.tpot_buckets[-1][1] if w.tpot_buckets else 0.0
-    ttft_seen = w.ttft_buckets[-1][1] if w.ttft_buckets else 0.0
-    within = finished * share_within(w.tpot_buckets, targets.tpot_seconds)
-    ttft_share = share_within(w.ttft_buckets, targets.ttft_seconds)
     # Waiting past the TTFT target: misses already, though no first token says so yet.
     overdue = w.waiting_now if w.oldest_waiting_seconds > targets.ttft_seconds else 0.0
-    requests = finished + overdue
-    ttft_ok = ttft_share * ttft_seen / (ttft_seen + overdue) if ttft_seen + overdue else 1.0
-    attainment = (within / finished if finished else 1.0) * ttft_ok
+    if w.slo_requests > 0:  # the server judged each request: exact, both targets at once
+        requests = w.slo_requests + overdue
+        attainment = w.slo_requests_met / requests
+    else:  # from vLLM's histograms, interpolated inside the buckets that hold the targets
+        finished = w.tpot_buckets[-1][1] if w.tpot_buckets else 0.0
+        ttft_seen = w.ttft_buckets[-1][1] if w.ttft_buckets else 0.0
+        within = finished * share_within(w.tpot_buckets, targets.tpot_seconds)
+        ttft_share = share_within(w.ttft_buckets, targets.ttft_seconds)
+        requests = finished + overdue
+        ttft_ok = ttft_share * ttft_seen / (ttft_seen + overdue) if ttft_seen + overdue else 1.0
+        attainment = (within / finished if finished else 1.0) * ttft_ok
     return Score(
         requests=requests,
         attainment=attainment,
@@ -130,6 +140,7 @@ def test(
 
 
 def _variance(s: Score) -> float:
-    # A binomial share, never taken as exact: at least one miss in the count's worth.
+    # A binomial share, never taken as exact: at least one miss in the count's worth. Where
+    # the test has seen enough turns, their spread when larger: misses come in bursts.
     p = min(max(s.attainment, 0.5 / max(s.requests, 1.0)), 1 - 0.5 / max(s.requests, 1.0))
-    return p * (1 - p) / max(s.requests, 1.0)
+    return max(p * (1 - p) / max(s.requests, 1.0), s.variance or 0.0)

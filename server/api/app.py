@@ -28,7 +28,7 @@ from batchpilot.server.api.errors import install_error_handlers
 from batchpilot.server.api.lifecycle import DrainingServer, GateMiddleware, Lifecycle
 from batchpilot.server.api.loading import IMPORT_STAGE, loading_progress
 from batchpilot.server.api.lora_modules import LoRAModule
-from batchpilot.server.api.metrics import ServerMetrics
+from batchpilot.server.api.metrics import ServerMetrics, SloTargets, slo_targets
 from batchpilot.server.api.stats_log import log_stats_forever
 from batchpilot.server.api.timeline import FirstToken
 from batchpilot.server.config import ConfigError, EngineConfig, config_from_args
@@ -61,6 +61,7 @@ def build_app(
     lora_modules: tuple[LoRAModule, ...] = (),
     preload_lora_modules: tuple[LoRAModule, ...] = (),
     engine_process: bool = False,
+    slo: SloTargets | None = None,
 ) -> FastAPI:
     """The public app. make_engine() -> LLMEngine runs on the engine thread when the app
     starts (in the engine process, with engine_process), and loads lora_modules;
@@ -77,7 +78,7 @@ def build_app(
         if engine_process
         else AsyncEngine(make_engine, on_step)
     )
-    metrics = ServerMetrics(served_model_name, lambda: engine.stats)
+    metrics = ServerMetrics(served_model_name, lambda: engine.stats, slo)
     lifecycle = Lifecycle()
     context = ServerContext(engine, lifecycle, metrics, served_model_name, admin_token,
                             max_queue_len, stream_stall_timeout)  # fmt: skip
@@ -283,6 +284,7 @@ def serve(args) -> int:
         lora_modules=tuple(args.lora_modules),
         preload_lora_modules=preload,
         engine_process=args.engine_process,
+        slo=slo_targets(args),
     )
 
     async def end_remaining() -> None:

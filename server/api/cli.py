@@ -106,12 +106,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the engine in a process of its own (as vLLM v1's EngineCore), so that "
         "HTTP parsing and streaming never take the GIL from a model step",
     )
+    for flag, what in ((names.SLO_TTFT_FLAG, "time to first token"),
+                       (names.SLO_TPOT_FLAG, "mean time per output token after the first")):  # fmt: skip
+        g.add_argument(
+            flag,
+            type=slo_seconds,
+            default=None,
+            help=f"the service's {what} target, seconds: each finished request is counted "
+            f"against both targets ({names.SLO_REQUESTS}, {names.SLO_REQUESTS_MET}); the "
+            "operator sets them from spec.slo on tuned services",
+        )
     g.add_argument(
         "--log-stats-interval",
         type=float,
         default=10.0,
         help="seconds between engine stats log lines (0: off)",
     )
+
+
+MAX_SLO_SECONDS = 3600.0
+
+
+def slo_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= MAX_SLO_SECONDS:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be over 0 and at most {MAX_SLO_SECONDS:g} s")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

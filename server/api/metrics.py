@@ -6,8 +6,10 @@ so they are never staler than the last engine step. Histograms, and the step-cos
 outputs and stats (one call per step, see engine/core.py's Turn).
 """
 
+import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -69,6 +71,16 @@ class EngineStatsCollector:
         (names.NUM_PREEMPTIONS, "num_preemptions", "Preemptions (swap or recompute)."),
         (names.PROMPT_TOKENS, "prompt_tokens_total", "Prefill tokens processed."),
         (names.GENERATION_TOKENS, "generation_tokens_total", "Tokens generated."),
+        (
+            names.PREFIX_CACHE_QUERIES,
+            "prefix_cache_queries",
+            "Prefix cache queries, in prompt tokens looked up at admission.",
+        ),
+        (
+            names.PREFIX_CACHE_HITS,
+            "prefix_cache_hits",
+            "Prefix cache hits, in prompt tokens found in cached blocks.",
+        ),
         (names.SWAPS_OUT, "num_swaps_out", "Sequences swapped out to CPU memory."),
         (names.SWAPS_IN, "num_swaps_in", "Sequences swapped back in from CPU memory."),
         (names.REQUEST_ARRIVALS, "num_arrivals", "Requests accepted into the engine."),
@@ -146,8 +158,44 @@ def lora_requests_info(stats: EngineStats) -> GaugeMetricFamily:
     return family
 
 
+@dataclass(frozen=True)
+class SloTargets:
+    """The service's targets for one request, as clients see them (names.SLO_TTFT_FLAG, SLO_TPOT_FLAG)."""
+
+    ttft_seconds: float
+    tpot_seconds: float
+
+    def met(self, ttft: float | None, tpot: float | None) -> bool:
+        """No first token misses; a request of one token has no TPOT to miss."""
+        return (
+            ttft is not None
+            and ttft <= self.ttft_seconds
+            and (tpot is None or tpot <= self.tpot_seconds)
+        )
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def slo_targets(args) -> SloTargets | None:
+    """The targets `serve` was given; one alone leaves the other unbounded."""
+    ttft, tpot = (
+        getattr(args, _dest(names.SLO_TTFT_FLAG)),
+        getattr(args, _dest(names.SLO_TPOT_FLAG)),
+    )
+    if ttft is None and tpot is None:
+        return None
+    return SloTargets(math.inf if ttft is None else ttft, math.inf if tpot is None else tpot)
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]):
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats | None],
+        slo: SloTargets | None = None,
+    ):
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineStatsCollector(stats, model_name))
         self._model_name = model_name
@@ -173,6 +221,16 @@ class ServerMetrics:
         self.generation_tokens = histogram(names.REQUEST_GENERATION_TOKENS, "A finished "
                                            "request's output tokens.",
                                            REQUEST_TOKEN_BUCKETS)  # fmt: skip
+        self._slo = slo
+        if slo is not None:
+            label = [names.METRIC_LABEL]
+            self.slo_requests, self.slo_met = (
+                Counter(_counter_base(name), doc, label, registry=self.registry).labels(model_name)
+                for name, doc in (
+                    (names.SLO_REQUESTS, "Finished requests judged against the service's SLO."),
+                    (names.SLO_REQUESTS_MET, "Finished requests within both SLO targets."),
+                )
+            )
         step_labels = [names.METRIC_LABEL, names.STEP_BATCH_LABEL, names.STEP_PHASE_LABEL]
         self._step_counters = [
             Counter(_counter_base(name), doc, step_labels, registry=self.registry)
@@ -243,8 +301,15 @@ class ServerMetrics:
         self.prompt_tokens.observe(len(out.prompt_token_ids))
         self.generation_tokens.observe(num_output)
         first, finished = timing.first_token_time, timing.finished_time
+        tpot = None
         if num_output >= 2 and first is not None and finished is not None:
-            self.tpot.observe((finished - first) / (num_output - 1))
+            tpot = (finished - first) / (num_output - 1)
+            self.tpot.observe(tpot)
+        if self._slo is not None:
+            ttft = None if first is None else first - timing.arrival_time
+            self.slo_requests.inc()
+            if self._slo.met(ttft, tpot):
+                self.slo_met.inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchpilot import names
-from batchpilot.server.api.metrics import ServerMetrics
+from batchpilot.server.api.metrics import ServerMetrics, SloTargets, slo_targets
 from batchpilot.server.api.stats_log import is_idle, stats_line
 from batchpilot.server.engine.core import Turn
 from batchpilot.server.engine.sequence import Timings
@@ -19,7 +19,7 @@ STATS = EngineStats(
     num_running=3, num_waiting=2, num_swapped=1, num_kv_blocks=100, num_free_kv_blocks=75,
     kv_cache_usage=0.25, num_cpu_blocks=10, num_free_cpu_blocks=5, cpu_cache_usage=0.5,
     num_preemptions=4, num_swaps_out=5, num_swaps_in=6, num_steps=10, prompt_tokens_total=70,
-    generation_tokens_total=80, last_step_num_tokens=9, last_step_batch_size=3,
+    generation_tokens_total=80, prefix_cache_queries=64, prefix_cache_hits=48, last_step_num_tokens=9, last_step_batch_size=3,
     max_num_seqs=32, max_num_batched_tokens=512, kv_cache_dtype="fp8", block_size=16,
     max_concurrency=1.5, max_lora=0, running_lora_adapters=[], waiting_lora_adapters=[],
 )  # fmt: skip
@@ -52,6 +52,8 @@ def test_gauges_and_counters_read_stats_at_scrape_time():
     assert value(found, names.NUM_PREEMPTIONS) == 4
     assert value(found, names.PROMPT_TOKENS) == 70
     assert value(found, names.GENERATION_TOKENS) == 80
+    assert value(found, names.PREFIX_CACHE_QUERIES) == 64
+    assert value(found, names.PREFIX_CACHE_HITS) == 48
     assert value(found, names.SWAPS_OUT) == 5 and value(found, names.SWAPS_IN) == 6
     assert value(found, names.MAX_NUM_SEQS_METRIC) == 32
     assert value(found, names.MAX_NUM_BATCHED_TOKENS_METRIC) == 512
@@ -121,6 +123,39 @@ def test_histograms_from_steps():
     assert value(found, names.ITERATION_TOKENS + "_sum") == 27
     assert value(found, names.BATCH_SIZE + "_sum") == 9
     assert value(found, names.TIME_TO_FIRST_TOKEN + "_bucket", le="0.001") == 0
+
+
+def finish(metrics: ServerMetrics, rid: str, ttft: float, tpot: float, tokens: int) -> None:
+    timing = Timings(arrival_time=100.0)
+    timing.first_scheduled_time = timing.first_token_time = 100.0 + ttft
+    timing.finished_time = timing.first_token_time + tpot * (tokens - 1)
+    ids = list(range(tokens))
+    metrics.observe_step(Turn([output(rid, ids, tokens, True, timing)], STATS, True, 200.0))
+
+
+def test_finished_requests_are_counted_against_both_slo_targets_exactly():
+    # A 30 ms TPOT target sits inside vLLM's 25-50 ms bucket, where the histogram can only
+    # interpolate; the counters judge each request itself.
+    metrics = ServerMetrics("m", lambda: STATS, SloTargets(ttft_seconds=1.0, tpot_seconds=0.03))
+    finish(metrics, "ok", ttft=0.5, tpot=0.028, tokens=11)
+    finish(metrics, "slow-tokens", ttft=0.5, tpot=0.032, tokens=11)
+    finish(metrics, "late-first", ttft=1.5, tpot=0.01, tokens=11)
+    finish(metrics, "one-token", ttft=0.9, tpot=0.0, tokens=1)  # no TPOT to miss
+    found = samples(metrics)
+    assert value(found, names.SLO_REQUESTS) == 4
+    assert value(found, names.SLO_REQUESTS_MET) == 2
+    # Without targets the server exposes neither family.
+    plain = {name for name, _ in samples(ServerMetrics("m", lambda: STATS))}
+    assert names.SLO_REQUESTS not in plain and names.SLO_REQUESTS_MET not in plain
+
+
+def test_one_slo_target_alone_leaves_the_other_unbounded():
+    args = dataclasses.make_dataclass(
+        "A", ["slo_time_to_first_token_seconds", "slo_inter_token_latency_seconds"]
+    )
+    assert slo_targets(args(None, None)) is None
+    only_ttft = slo_targets(args(2.0, None))
+    assert only_ttft.met(1.0, 99.0) and not only_ttft.met(2.5, 0.0) and not only_ttft.met(None, 0)
 
 
 def test_stats_line_rates_and_idle_detection():

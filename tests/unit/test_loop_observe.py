@@ -40,6 +40,8 @@ STATS = {
     "num_kv_blocks": 100,
     "max_num_batched_tokens": 512,
     "num_arrivals": 0,
+    "prefix_cache_queries": 0,
+    "prefix_cache_hits": 0,
     "oldest_waiting_arrival": None,  # none waits
     # LoRA off (max_lora 0): no vllm:lora_requests_info family.
     "max_lora": 0,

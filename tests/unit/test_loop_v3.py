@@ -34,7 +34,7 @@ from batchpilot.operator.loop.planner import (
     tpot_upper,
 )
 from batchpilot.operator.loop.plant import HALF_LIFE_SECONDS, MIN_STEPS, StepModel
-from batchpilot.operator.loop.tuner_state import Score
+from batchpilot.operator.loop.tuner_state import Score, Tally
 from tests.support.loop import BETA, DEMAND, replica, step_cells, step_seconds, within
 
 TURN = 15.0  # the loop's period, seconds
@@ -381,6 +381,38 @@ def test_the_score_counts_requests_waiting_past_the_ttft_target_as_misses():
     # A queue whose oldest request is still within the target misses nothing yet.
     fresh = verify.score(replace(queued, oldest_waiting_seconds=1.0), TARGETS)
     assert (fresh.requests, fresh.attainment) == (100, 1.0)
+
+
+def test_the_servers_own_slo_counts_replace_the_histograms_interpolation():
+    # The histograms put 80 % within TPOT; the server, judging each request, says 90 of 100
+    # met both targets. The counts win, and the overdue queue still counts as misses.
+    w = replace(replica(finished=100, tpot_share=0.8), slo_requests=100.0, slo_requests_met=90.0)
+    assert verify.score(w, TARGETS).attainment == pytest.approx(0.9)
+    queued = replace(w, waiting_now=20.0, oldest_waiting_seconds=5.0)
+    s = verify.score(queued, TARGETS)
+    assert s.requests == 120 and s.attainment == pytest.approx(90 / 120)
+
+
+def test_a_tally_sees_turn_to_turn_bursts_that_a_binomial_count_hides():
+    steady = bursty = Tally()
+    for _ in range(4):
+        steady = steady.add(score(0.8, 100))
+    for share in (1.0, 0.6, 1.0, 0.6):
+        bursty = bursty.add(score(share, 100))
+    assert steady.block_variance() == pytest.approx(0.0)
+    binomial = 0.8 * 0.2 / 400
+    assert bursty.block_variance() == pytest.approx(4 / 3 * 4 * 100**2 * 0.2**2 / 400**2)
+    assert bursty.block_variance() > 10 * binomial
+    # Too few turns to say: no estimate.
+    assert Tally().add(score(1.0, 10)).block_variance() is None
+    # The test takes the larger: the same shares and counts, the bursty one undecided.
+    before = score(0.95, 400)
+    assert verify.test(before, steady.score(60.0), 60.0, paired=False).decided
+    assert not verify.test(before, bursty.score(60.0), 60.0, paired=False).decided
+    # It round-trips through the status.
+    assert Tally.from_status(bursty.to_status()).block_variance() == pytest.approx(
+        bursty.block_variance()
+    )
 
 
 def test_the_sequential_test_passes_a_no_op_and_fails_a_clear_harm():

@@ -157,6 +157,7 @@ def server_text() -> str:
         num_running=1, num_waiting=0, num_swapped=0, kv_cache_usage=0.1, cpu_cache_usage=0.0,
         max_num_seqs=8, max_num_batched_tokens=512, num_preemptions=0, prompt_tokens_total=5,
         generation_tokens_total=2, num_swaps_out=0, num_swaps_in=0, num_arrivals=1,
+        prefix_cache_queries=0, prefix_cache_hits=0,
         oldest_waiting_arrival=None, kv_cache_dtype="auto", block_size=16, num_kv_blocks=100,
         max_lora=0, num_steps=1, last_step_num_tokens=5, last_step_batch_size=1,
         last_step_decode_seqs=0, last_step_prefill_tokens=5, last_step_context_tokens=0,
