@@ -14,8 +14,9 @@
   fp8 when allowed, else lower to the count the KV cache held, at most halving.
 - Latency: fewer than ``latency_attainment`` of the window's requests met the TPOT target,
   and the model attributes it to the batch (its step at the running batch misses the
-  target), on a healthy plant with no growing queue: lower to the latency cap, at most
-  halving.
+  target), on a healthy plant with no growing queue and a demand the latency cap can carry
+  (else the lower would only trade TPOT misses for TTFT misses, and undo the overload
+  raise a turn later): lower to the latency cap, at most halving.
 - LoRA-bound (MaxLorasBottleneck): a higher max_loras within tuning.maxLoras.
 Pure: no I/O, no clock.
 """
@@ -178,8 +179,10 @@ def latency(
         return None
     if model.degraded(now) or model.queue_growing():
         return None
-    running = w.per_replica(w.running)
     demand = model.per_replica()
+    if demand.rate > plan.capacity:
+        return None  # the latency cap cannot carry the demand: a lower trades TPOT for TTFT
+    running = w.per_replica(w.running)
     predicted = tpot_mean(fit, running, demand)
     if tpot_lower(fit, running, demand) <= target:
         return None  # the model is not sure the batch is to blame: the machine, the prompts
