@@ -7,16 +7,17 @@
   sequence. Past the plan when the replica is overloaded at it (the queue grows there, or
   the demand is more than the plan completes): then every queued request misses its TTFT,
   a larger loss than a TPOT over target, so the cap is the model's KV cap (room for the
-  queue while the KV cache is unknown). A raise made on a queue is undone only by the
+  queue while the KV cache is unknown), within the model's reach (twice the largest batch
+  it has seen: a plant that is not the model's form may slow down past it). A raise made on a queue is undone only by the
   thrash or latency guardrail, never by a goodput window. The queue is the last turn's, so
   a long quiet spell does not average it away.
 - KV thrash (preemptions or swaps per 1,000 generated tokens over a bound, worst replica):
   fp8 when allowed, else lower to the count the KV cache held, at most halving.
 - Latency: fewer than ``latency_attainment`` of the window's requests met the TPOT target,
   and the model attributes it to the batch (its step at the running batch misses the
-  target), on a healthy plant with no growing queue and a demand the latency cap can carry
-  (else the lower would only trade TPOT misses for TTFT misses, and undo the overload
-  raise a turn later): lower to the latency cap, at most halving.
+  target), on a healthy plant with no queue and a demand the latency cap can carry (else
+  the lower would only trade TPOT misses for TTFT misses, and the queue guardrail would
+  undo it a turn later): lower to the latency cap, at most halving.
 - LoRA-bound (MaxLorasBottleneck): a higher max_loras within tuning.maxLoras.
 Pure: no I/O, no clock.
 """
@@ -124,8 +125,8 @@ def safe_cap(w: Window, s: EngineSettings, spec: InferenceServiceSpec, plan: Pla
     room = max(2 * s.max_num_seqs, math.ceil(running + w.per_replica(w.waiting)))
     if plan is None:
         cap = room
-    elif overload:
-        cap = room if plan.kv_cap is None else plan.kv_cap
+    elif overload:  # within the model's reach: past it a mismatched plant may slow down
+        cap = min(room if plan.kv_cap is None else plan.kv_cap, max(plan.reach, plan.max_num_seqs))
     else:
         cap = plan.max_num_seqs
     if w.kv_cache_usage_peak > 0 and running > 0:
@@ -182,6 +183,9 @@ def latency(
     demand = model.per_replica()
     if demand.rate > plan.capacity:
         return None  # the latency cap cannot carry the demand: a lower trades TPOT for TTFT
+    queued = max(w.per_replica(w.waiting), model.queue[-1] if model.queue else 0.0)
+    if queued >= limits.min_waiting:
+        return None  # a backlog drains slower after a lower: its TTFTs pay for the TPOTs
     running = w.per_replica(w.running)
     predicted = tpot_mean(fit, running, demand)
     if tpot_lower(fit, running, demand) <= target:

@@ -43,6 +43,7 @@ class Plan:
     tpot_at_plan: float  # predicted mean TPOT at the plan, batch full (upper bound)
     capacity: float  # requests/s one replica completes at the plan within the SLO
     why: str
+    reach: int = 0  # the largest batch the model predicts (twice the largest observed)
 
     def to_status(self) -> dict:
         out = {
@@ -136,16 +137,17 @@ def plan(
         f"(upper {t * 1000:.1f} ms against the {target * 1000:.0f} ms TPOT target), "
         f"latency cap {lat}, KV cap {kvc if kvc is not None else 'unknown'}: {binding} binds"
     )
-    return Plan(n, lat, kvc, t, capacity, why)
+    return Plan(n, lat, kvc, t, capacity, why, math.floor(fit.max_batch))
 
 
 def planned_move(p: Plan, fit: Fit, demand: Demand, target: float, current: int) -> int | None:
     """The max_num_seqs to move to, or None: a raise past the hysteresis whenever the
     upper bound allows it; a lower only when the lower bound at today's setting misses the
-    target or the KV cache cannot hold today's setting."""
+    target or the KV cache cannot hold today's setting, and never to a plan that completes
+    fewer requests a second than arrive (it would build a queue every request pays for)."""
     if p.max_num_seqs >= RAISE_HYSTERESIS * current:
         return p.max_num_seqs
-    if p.max_num_seqs <= LOWER_HYSTERESIS * current:
+    if p.max_num_seqs <= LOWER_HYSTERESIS * current and demand.rate <= p.capacity:
         sure = (
             fit.identified
             and current <= fit.max_batch

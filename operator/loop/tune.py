@@ -88,22 +88,19 @@ def decide_tuning(
     window = view.service
     if window is None or window.replicas == 0:
         return _hold(state, settings, "no metrics", now)
+    fit = state.model.fit()
+    ready = fit is not None and state.model.demand.ready
     if window.span_seconds < limits.min_window_seconds:
         # A queue with every slot busy needs no long look: its raise is the safe direction,
-        # and each turn it waits adds to a backlog every later request pays for.
-        if c := guard.queue(
-            _recent(view), view.replicas, settings, spec, state.model, None, limits
-        ):
+        # and each turn it waits adds to a backlog every later request pays for. (The plan
+        # still bounds it: a window just after a change is short, not a model unready.)
+        p = _plan(state, spec, settings, window) if ready else None
+        if c := guard.queue(_recent(view), view.replicas, settings, spec, state.model, p, limits):
             return _apply(state, c, now, {})
         return _hold(
             state, settings, f"observing: {window.span_seconds:.0f} s of metrics so far", now
         )
-    fit = state.model.fit()
-    p = (
-        _plan(state, spec, settings, window)
-        if fit is not None and state.model.demand.ready
-        else None
-    )
+    p = _plan(state, spec, settings, window) if ready else None
     inputs = inputs_of(window, view.replicas, settings, state, p)
     m, replicas = state.model, view.replicas
     thrash = guard.thrash(window, replicas, settings, spec, limits, p)

@@ -293,23 +293,28 @@ def test_before_the_model_a_deep_queue_gets_room_for_all_of_it_at_once():
     assert guarded(busy(waiting=20, kv_peak=0.4)) == ("raise", EngineSettings(17))
 
 
-def test_overloaded_at_the_plan_the_queue_raises_past_it_to_the_kv_cap():
+def test_overloaded_at_the_plan_the_queue_raises_past_it_to_the_kv_cap_within_reach():
     # Arrivals twice what the plan completes within the SLO: every queued request will miss
-    # its TTFT, so the latency cap gives way to the KV cap.
+    # its TTFT, so the latency cap gives way to the KV cap, as far as the model reaches
+    # (twice the largest batch it has seen, 16 here: 32).
     model = ready_model()
     p = plan(model.fit(), model.demand, 0.1, Bounds(2, 64), 8, None, (2000, 16))
+    assert p.reach == 32 and p.kv_cap > 32
     at_plan = EngineSettings(p.max_num_seqs)
     w = busy(running=p.max_num_seqs, max_num_seqs=p.max_num_seqs, waiting=p.max_num_seqs)
     calm = replace(model, queue=(3, 3))
     assert guard.queue(w, {R0: w}, at_plan, TUNE, calm, p, LIMITS) is None  # not overloaded
     hot = replace(calm, demand=replace(model.demand, rate=2 * p.capacity))
     got = guard.queue(w, {R0: w}, at_plan, TUNE, hot, p, LIMITS)
-    assert got.settings.max_num_seqs == min(p.kv_cap, 64) > p.max_num_seqs
+    assert got.settings.max_num_seqs == 32 > p.max_num_seqs
     assert "overloaded" in got.reason
+    # A small KV cache binds first.
+    small = replace(p, kv_cap=p.max_num_seqs + 3)
+    got = guard.queue(w, {R0: w}, at_plan, TUNE, hot, small, LIMITS)
+    assert got.settings.max_num_seqs == p.max_num_seqs + 3
     # The same when the queue grows three turns running at the plan, whatever the rate says.
     growing = replace(calm, queue=(3, 5, 9))
-    got = guard.queue(w, {R0: w}, at_plan, TUNE, growing, p, LIMITS)
-    assert got.settings.max_num_seqs == min(p.kv_cap, 64)
+    assert guard.queue(w, {R0: w}, at_plan, TUNE, growing, p, LIMITS).settings.max_num_seqs == 32
     # Below the plan a growing queue raises to the plan first.
     below = EngineSettings(p.max_num_seqs // 2)
     w = busy(running=below.max_num_seqs, max_num_seqs=below.max_num_seqs, waiting=3)
@@ -442,6 +447,9 @@ def test_no_latency_lower_when_the_latency_cap_cannot_carry_the_demand():
     busy_day = replace(model, demand=replace(model.demand, rate=1.5 * p.capacity))
     assert latency(model=busy_day) is None
     assert latency(model=replace(model, demand=replace(model.demand, rate=0.5 * p.capacity)))
+    # Nor with a backlog, in the window or the last turn: it would drain slower.
+    assert latency(w=replace(SLOW, waiting=1.0)) is None
+    assert latency(model=replace(model, queue=(2.0,))) is None
 
 
 # --------------------------------------------------------------------------- the arbiter

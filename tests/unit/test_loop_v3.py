@@ -332,6 +332,9 @@ def test_a_planned_lower_needs_the_lower_bound_at_todays_setting_to_miss():
     # ... unless the KV cache cannot hold today's setting.
     short = replace(p, kv_cap=p.max_num_seqs)
     assert planned_move(short, fit, DEMAND, 0.06, 48) == p.max_num_seqs
+    # Never down to a plan that completes fewer requests a second than arrive.
+    busy = replace(DEMAND, rate=1.5 * p.capacity)
+    assert planned_move(p, fit, busy, 0.06, 32) is None
 
 
 def test_capacity_and_the_replicas_it_asks_for():
