@@ -291,9 +291,12 @@ def main(argv=None) -> int:
     plants = [load_plant(path) for path in args.plants]
     workloads = [load_workload(path) for path in args.workloads]
     started = time.perf_counter()
+    # Read before the run: the code that runs is the code imported now, and a run takes
+    # long enough for the tree to move on under it.
+    origin = provenance(args)
     mode = "autoscaled" if args.autoscaled else "tuning"
     body = (autoscaled if args.autoscaled else protocol)(plants, workloads, args)
-    results = {**provenance(args), "mode": mode, "seeds": args.seeds,
+    results = {**origin, "mode": mode, "seeds": args.seeds,
                "thresholds": score.THRESHOLDS, **body,
                "wall_seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
     print(table(results))
