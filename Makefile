@@ -83,7 +83,8 @@ kind-toolchain: k8s-bins
 	bash kind-tests/toolchain/build.sh node
 
 # GIE's endpoint picker (EPP) + kind-tests/gie/pickclient from the Go module proxy, and the
-# EPP image (FROM scratch, --network none) where Docker runs (kind-tests/gie/README.md).
+# EPP and pickclient images (FROM scratch, --network none) where Docker runs
+# (kind-tests/gie/README.md).
 kind-gie:
 	bash kind-tests/gie/build.sh
 

@@ -5,8 +5,9 @@
 #   epp         <- sigs.k8s.io/gateway-api-inference-extension/cmd/epp@GIE_VERSION
 #                  (tests/k8s/versions.env) through this wrapper module (go.mod: require + tool)
 #   pickclient  <- ./pickclient: an Envoy-like ext_proc client that asks the EPP for picks
-#   image       <- batchpilot-gie-epp:GIE_VERSION, FROM scratch + the static epp binary,
-#                  `docker build --network none`; only where `docker info` works
+#   images      <- batchpilot-gie-epp:GIE_VERSION and batchpilot-gie-pickclient:GIE_VERSION,
+#                  FROM scratch + the static binary, `docker build --network none`; only where
+#                  `docker info` works (the pickclient image runs it as a gateway in the cluster)
 #
 # Binaries go to ${BATCHPILOT_CACHE:-~/.cache/batchpilot}/gie/<GIE_VERSION>/bin/, stamped
 # (a stamp that matches skips the build); the Go module and build caches are the ones the
@@ -24,6 +25,7 @@ ROOT="$CACHE/gie/$GIE_VERSION"
 BIN="$ROOT/bin"
 LOGS="$ROOT/build-logs"
 EPP_IMAGE="${EPP_IMAGE:-batchpilot-gie-epp:$GIE_VERSION}"
+PICKCLIENT_IMAGE="${PICKCLIENT_IMAGE:-batchpilot-gie-pickclient:$GIE_VERSION}"
 mkdir -p "$BIN" "$LOGS"
 
 export GOMODCACHE="$CACHE/go/mod"
@@ -79,24 +81,26 @@ stamped epp "$GIE_VERSION-$MODSUM" gb epp sigs.k8s.io/gateway-api-inference-exte
 stamped pickclient "$(cat "$HERE/go.mod" "$HERE/go.sum" "$HERE"/pickclient/*.go | sha1sum | cut -c1-12)" \
     gb pickclient ./pickclient
 
-epp_image() {
-    local ctx="$ROOT/image-ctx" inputs
+image() { # image TAG BINARY DOCKERFILE : FROM scratch + the static binary, kept while unchanged
+    local tag="$1" binary="$2" dockerfile="$3" ctx="$ROOT/image-ctx-$2" inputs
     rm -rf "$ctx" && mkdir -p "$ctx"
-    cp "$BIN/epp" "$HERE/Dockerfile" "$ctx/"
-    inputs="$(cd "$ctx" && sha1sum epp Dockerfile | sha1sum | cut -c1-12)"
-    if [[ "$(docker image inspect -f '{{index .Config.Labels "batchpilot.inputs"}}' "$EPP_IMAGE" 2>/dev/null)" == "$inputs" ]]; then
-        log "$EPP_IMAGE: up to date"
+    cp "$BIN/$binary" "$ctx/"
+    cp "$HERE/$dockerfile" "$ctx/Dockerfile"
+    inputs="$(cd "$ctx" && sha1sum "$binary" Dockerfile | sha1sum | cut -c1-12)"
+    if [[ "$(docker image inspect -f '{{index .Config.Labels "batchpilot.inputs"}}' "$tag" 2>/dev/null)" == "$inputs" ]]; then
+        log "$tag: up to date"
     else
-        timed image-epp env DOCKER_BUILDKIT=0 docker build --network none \
-            --label "batchpilot.inputs=$inputs" -t "$EPP_IMAGE" "$ctx"
-        log "$EPP_IMAGE: $(docker image inspect -f '{{.Size}}' "$EPP_IMAGE" | awk '{printf "%.0f MB", $1/1e6}')"
+        timed "image-$binary" env DOCKER_BUILDKIT=0 docker build --network none \
+            --label "batchpilot.inputs=$inputs" -t "$tag" "$ctx"
+        log "$tag: $(docker image inspect -f '{{.Size}}' "$tag" | awk '{printf "%.0f MB", $1/1e6}')"
     fi
     rm -rf "$ctx"
 }
 
 if docker info >/dev/null 2>&1; then
-    epp_image
+    image "$EPP_IMAGE" epp Dockerfile
+    image "$PICKCLIENT_IMAGE" pickclient Dockerfile.pickclient
 else
-    log "no Docker engine (docker info failed): skipping the image $EPP_IMAGE"
+    log "no Docker engine (docker info failed): skipping the images $EPP_IMAGE, $PICKCLIENT_IMAGE"
 fi
 echo "$BIN"

@@ -9,10 +9,15 @@
 //
 // One JSON line per pick on stdout: {"endpoint": "10.244.0.7:8000"} or {"error": "..."}.
 // The exit status is 1 when any pick failed.
+//
+// With --listen it is a minimal gateway instead (gateway.go): an HTTP server that asks the
+// EPP for each request it receives, with the request's own path, headers and body, then
+// forwards the request to the picked endpoint and streams the answer back.
 package main
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"flag"
 	"fmt"
@@ -24,6 +29,7 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 )
 
@@ -36,10 +42,11 @@ func (h *headerFlags) String() string     { return strings.Join(*h, ",") }
 func (h *headerFlags) Set(v string) error { *h = append(*h, v); return nil }
 
 type options struct {
-	addr, model, prompt, authority, path string
-	count, maxTokens                     int
-	timeout                              time.Duration
-	headers                              headerFlags
+	addr, model, prompt, authority, path, listen string
+	count, maxTokens                             int
+	timeout                                      time.Duration
+	tls                                          bool
+	headers                                      headerFlags
 }
 
 func parseFlags() options {
@@ -53,7 +60,12 @@ func parseFlags() options {
 	flag.StringVar(&o.authority, "authority", "gateway.local", "the request's :authority")
 	flag.DurationVar(&o.timeout, "timeout", 10*time.Second, "per-pick timeout")
 	flag.Var(&o.headers, "header", "extra request header k=v (repeatable)")
+	flag.BoolVar(&o.tls, "tls", false, "speak TLS to the EPP without verifying its certificate (the EPP's default --secure-serving uses a self-signed one, which gateways accept)")
+	flag.StringVar(&o.listen, "listen", "", "serve as a gateway on this address (e.g. :8080) instead of printing picks")
 	flag.Parse()
+	if o.listen != "" {
+		return o
+	}
 	if o.model == "" || o.count < 1 {
 		fmt.Fprintln(os.Stderr, "pickclient: --model is required and --count must be >= 1")
 		flag.Usage()
@@ -65,8 +77,18 @@ func parseFlags() options {
 func header(k, v string) *corev3.HeaderValue { return &corev3.HeaderValue{Key: k, RawValue: []byte(v)} }
 
 func requestMessages(o options) ([]*extprocv3.ProcessingRequest, error) {
+	body, err := json.Marshal(map[string]any{"model": o.model, "prompt": o.prompt, "max_tokens": o.maxTokens})
+	if err != nil {
+		return nil, err
+	}
+	return bodyMessages(o, o.path, body)
+}
+
+// bodyMessages: the request headers (":path" path, o's authority and extra headers), then
+// body with end_of_stream, as Envoy sends them in FULL_DUPLEX_STREAMED mode.
+func bodyMessages(o options, path string, body []byte) ([]*extprocv3.ProcessingRequest, error) {
 	hs := []*corev3.HeaderValue{
-		header(":method", "POST"), header(":path", o.path), header(":scheme", "http"),
+		header(":method", "POST"), header(":path", path), header(":scheme", "http"),
 		header(":authority", o.authority), header("content-type", "application/json"),
 	}
 	for _, kv := range o.headers {
@@ -75,10 +97,6 @@ func requestMessages(o options) ([]*extprocv3.ProcessingRequest, error) {
 			return nil, fmt.Errorf("--header %q: want k=v", kv)
 		}
 		hs = append(hs, header(strings.ToLower(k), v))
-	}
-	body, err := json.Marshal(map[string]any{"model": o.model, "prompt": o.prompt, "max_tokens": o.maxTokens})
-	if err != nil {
-		return nil, err
 	}
 	hs = append(hs, header("content-length", fmt.Sprint(len(body))))
 	return []*extprocv3.ProcessingRequest{
@@ -103,15 +121,21 @@ func endpointOf(r *extprocv3.HeadersResponse) string {
 }
 
 func pick(ctx context.Context, client extprocv3.ExternalProcessorClient, o options) (string, error) {
+	msgs, err := requestMessages(o)
+	if err != nil {
+		return "", err
+	}
+	return pickFor(ctx, client, o, msgs)
+}
+
+// pickFor sends msgs on one Process stream and returns the endpoint the EPP picked.
+func pickFor(ctx context.Context, client extprocv3.ExternalProcessorClient, o options,
+	msgs []*extprocv3.ProcessingRequest) (string, error) {
 	ctx, cancel := context.WithTimeout(ctx, o.timeout)
 	defer cancel()
 	stream, err := client.Process(ctx)
 	if err != nil {
 		return "", fmt.Errorf("open stream: %w", err)
-	}
-	msgs, err := requestMessages(o)
-	if err != nil {
-		return "", err
 	}
 	for _, m := range msgs {
 		if err := stream.Send(m); err != nil {
@@ -151,13 +175,24 @@ func metadataEndpoint(resp *extprocv3.ProcessingResponse) string {
 
 func main() {
 	o := parseFlags()
-	conn, err := grpc.NewClient(o.addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	creds := insecure.NewCredentials()
+	if o.tls {
+		creds = credentials.NewTLS(&tls.Config{InsecureSkipVerify: true}) //nolint:gosec // self-signed EPP
+	}
+	conn, err := grpc.NewClient(o.addr, grpc.WithTransportCredentials(creds))
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "pickclient: %v\n", err)
 		os.Exit(1)
 	}
 	defer conn.Close()
 	client := extprocv3.NewExternalProcessorClient(conn)
+	if o.listen != "" {
+		if err := serveGateway(o, client); err != nil {
+			fmt.Fprintf(os.Stderr, "pickclient: %v\n", err)
+			os.Exit(1)
+		}
+		return
+	}
 	out := json.NewEncoder(os.Stdout)
 	failed := 0
 	for i := 0; i < o.count; i++ {
