@@ -170,3 +170,21 @@ def test_stats_line_rates_and_idle_detection():
     assert is_idle(idle, idle)
     assert not is_idle(idle, dataclasses.replace(idle, num_steps=11))
     assert not is_idle(STATS, STATS)
+
+
+def test_the_servers_cli_takes_the_slo_flags_the_operator_renders_and_bounds_them():
+    import argparse
+
+    from batchpilot.operator.children.pod import slo_args
+    from batchpilot.operator.crd.spec import parse_spec
+    from batchpilot.server.api.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    slo = {"timeToFirstTokenSeconds": 1.5, "interTokenLatencySeconds": 0.03}
+    tuned = parse_spec({"slo": slo, "tuning": {"enabled": True}})
+    assert slo_targets(parser.parse_args(slo_args(tuned))) == SloTargets(1.5, 0.03)
+    assert slo_args(parse_spec({"slo": slo})) == []  # untuned templates stay as they were
+    for bad in ("0", "-1", "nan", "3601"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([f"{names.SLO_TTFT_FLAG}={bad}"])
