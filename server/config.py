@@ -11,10 +11,6 @@ from batchpilot import names
 from batchpilot.server.kv.events_config import KVEventsConfig, parse_kv_events_config
 
 GiB = 1 << 30
-# Adapters past max_cpu_loras are evicted least recently used first and read from disk
-# again when wanted (as in vLLM, whose default is max_loras): a larger default keeps a
-# service's usual adapters in memory, so that their requests never wait on a read.
-DEFAULT_MAX_CPU_LORAS = 32
 MAX_RESOLVER_DIR_CHARS = 4096
 # A CPU computes a 2048-token step in over a second: when 16 closed-loop requests arrive
 # together, their prefills filled one such step and every stream waited for it (guidellm:
@@ -108,8 +104,8 @@ class EngineConfig:
                               "for it")  # fmt: skip
     max_cpu_loras: int | None = knob(None, "most adapters loaded at once, held in host "
                                      "memory; more may be registered, the least recently "
-                                     "used are read again when wanted (default: 32, or "
-                                     "max_loras if larger)")  # fmt: skip
+                                     "used are read again when wanted (default: "
+                                     "max_loras, as vLLM's)")  # fmt: skip
     # vLLM's filesystem resolver (VLLM_LORA_RESOLVER_CACHE_DIR, which `serve` reads too).
     lora_resolver_dir: str | None = knob(None, "directory of PEFT adapters, one per "
                                          "subdirectory: a request naming an adapter that "
@@ -192,8 +188,9 @@ class EngineConfig:
 
     @property
     def lora_capacity(self) -> int:
-        """The most adapters loaded at once: max_cpu_loras, or its default."""
-        return self.max_cpu_loras or max(self.max_loras, DEFAULT_MAX_CPU_LORAS)
+        """The most adapters loaded at once: max_cpu_loras, else max_loras (vLLM's default:
+        adapters past it are evicted least recently used first and read again when wanted)."""
+        return self.max_cpu_loras or self.max_loras
 
     def live_change(self, changes: dict, max_num_seqs_limit: int | None = None,
                     max_step_tokens: int | None = None) -> dict:  # fmt: skip

@@ -6,7 +6,10 @@ time to first token of both (the burst arrives at once, so TTFT includes the wai
 slot, a host read or the batch).
 
 The adapters are made here with PEFT (lora.py's make_adapters), so nothing downloads.
-Every request gets a distinct first token, so prefix caching cannot favour either run.
+Every request gets a distinct first token, and every burst starts with the prefix cache
+reset: the bursts repeat the same prompts, and the base model's blocks stayed cached from
+one burst to the next while an adapter read again starts a new chain, which favoured the
+base run (its later bursts skipped their prefills).
 The LoRA and base runs alternate `--repeats` times in one engine and the median of each
 is reported: a shared machine's noise then falls on both."""
 
@@ -55,6 +58,7 @@ def burst(llm, prompts: list[list[int]], loras: list, output_len: int) -> dict:
     from batchpilot.server import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.reset_prefix_cache()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False, lora=loras)
     elapsed = time.perf_counter() - start

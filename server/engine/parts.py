@@ -43,6 +43,7 @@ def build_parts(config: EngineConfig, stage: Callable[[str], None]) -> EnginePar
     kv = runner.kv_cache
     pool = BlockPool(kv.num_blocks, config.enable_prefix_caching)
     kv_manager = KVCacheManager(pool, SwapSpace(kv.num_cpu_blocks), config.block_size)
+    in_slot = runner.lora_slots.holds if runner.lora_slots else None
     return EngineParts(
         device,
         loaded.tokenizer,
@@ -50,7 +51,7 @@ def build_parts(config: EngineConfig, stage: Callable[[str], None]) -> EnginePar
         loaded.eos_token_ids,
         runner,
         kv_manager,
-        Scheduler(config, kv_manager, loaded.eos_token_ids),
+        Scheduler(config, kv_manager, loaded.eos_token_ids, in_slot),
         OutputProcessor(loaded.tokenizer),
         LoRAManager.for_model(config, loaded.decoder, runner.lora_slots),
     )

@@ -7,8 +7,10 @@ waiting requests are admitted FCFS while `max_num_seqs`, the token budget
 (one too many for `max_loras` distinct adapters in a step, or not loaded in host memory)
 lets later requests whose adapters can run go first, but at most MAX_LORA_OVERTAKES of
 them: then it holds the queue until the running adapters drain and its turn comes, so no
-adapter starves. When blocks run out, the newest running sequence is preempted: swapped
-to CPU, or freed for recompute.
+adapter starves. Within the same bound, a request whose adapter would be copied into a
+device slot lets a later one whose adapter is still in a slot take a free place first.
+When blocks run out, the newest running sequence is preempted: swapped to CPU, or freed
+for recompute.
 
 After the forward pass, `postprocess` appends the sampled tokens and finishes sequences
 on a stop token or on length; stop strings need text, so the output processor finds
@@ -17,6 +19,7 @@ them and the engine finishes those sequences through `finish`.
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batchpilot.server.config import EngineConfig
@@ -62,8 +65,12 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, eos_token_ids: set[int]):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, eos_token_ids: set[int],
+                 in_slot: Callable[[object], bool] | None = None):  # fmt: skip
+        """in_slot(adapter): whether a loaded adapter is in a device slot (None: no slots,
+        no preference)."""
         self.config = config
+        self.in_slot = in_slot
         self.kv = kv
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
@@ -250,17 +257,20 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         static = self.config.scheduling_policy == "static"
         running = {s.lora.cache_root for s in self.running if s.lora is not None}
+        in_slots = self._waiting_in_slots()
         passed: list[Sequence] = []  # ahead of the one considered, their adapters not ready
         for seq in list(self.waiting):
             if len(self.running) >= self.config.max_num_seqs or (budget <= 0 and not static):
                 break
-            if not self._lora_ready(seq, running):
-                # Later requests whose adapters run now go first, which keeps the batch
-                # full; one overtaken MAX_LORA_OVERTAKES times holds the queue instead.
-                if seq.lora_overtaken >= MAX_LORA_OVERTAKES:
-                    break
+            wait = self._lora_waits(seq, running, in_slots)
+            # Later requests whose adapters run now go first, which keeps the batch full;
+            # one overtaken MAX_LORA_OVERTAKES times is owed its turn: it runs if it can,
+            # else holds the queue.
+            if wait and seq.lora_overtaken < MAX_LORA_OVERTAKES:
                 passed.append(seq)
                 continue
+            if wait and not self._lora_ready(seq, running):
+                break
             n = self._admit_one(seq, out, budget, static)
             if n is None:
                 break
@@ -269,6 +279,24 @@ class Scheduler:
                 running.add(seq.lora.cache_root)
             for overtaken in passed:
                 overtaken.lora_overtaken += 1
+
+    def _waiting_in_slots(self) -> set[bytes]:
+        """The cache roots of waiting requests' adapters that are in device slots."""
+        if self.in_slot is None:
+            return set()
+        loras = {s.lora.cache_root: s.lora for s in self.waiting if s.lora is not None}
+        return {root for root, lora in loras.items() if self.in_slot(lora)}
+
+    def _lora_waits(self, seq: Sequence, running: set[bytes], in_slots: set[bytes]) -> bool:
+        """seq's adapter cannot run yet, or would take a new place by a copy into a device
+        slot while a waiting request's adapter already in a slot could take it: the copy
+        is hundreds of small writes, and evicts an adapter later requests may want."""
+        if not self._lora_ready(seq, running):
+            return True
+        lora = seq.lora
+        if lora is None or lora.cache_root in running or lora.cache_root in in_slots:
+            return False
+        return bool(in_slots - running)
 
     def _admit_one(self, seq: Sequence, out: SchedulerOutput, budget: int,
                    static: bool) -> int | None:  # fmt: skip

@@ -1,7 +1,8 @@
-"""LoRASlots, the step-time products: the CPU path (masked dense matmuls) and the GPU
-path (the Triton kernels, on CPU through Triton's interpreter) both add to every row of a
-fused projection exactly its own adapter's B(A x), nothing to base-model rows, and an
-adapter that replaces another in a slot leaves nothing of it behind."""
+"""LoRASlots, the step-time products: the CPU paths (cpu_lora's kernel, and the masked
+dense matmuls where it cannot be built) and the GPU path (the Triton kernels, on CPU
+through Triton's interpreter) all add to every row of a fused projection exactly its own
+adapter's B(A x), nothing to base-model rows, and an adapter that replaces another in a
+slot leaves nothing of it behind; the kernel rounds as the matmuls do in bfloat16."""
 
 import os
 
@@ -10,6 +11,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run o
 import pytest
 import torch
 
+from batchpilot.server.lora import cpu_lora
 from batchpilot.server.lora.adapter import LoRAAdapter
 from batchpilot.server.lora.slots import FUSED, LoRASlots
 
@@ -38,9 +40,17 @@ def reference(x, adapter: LoRAAdapter | None, layer: int, proj: str) -> torch.Te
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("use_triton", [False, True], ids=["cpu-masked", "triton-interpreted"])
-def test_each_row_gets_its_own_adapter_product(use_triton):
-    slots = LoRASlots(LAYERS, SHAPES, 2, RANK, torch.float32, torch.device("cpu"), use_triton)
+def make_slots(path: str, num_slots: int, dtype=torch.float32) -> LoRASlots:
+    """path: "kernel", "masked" (the kernel taken away) or "triton"."""
+    if path == "kernel" and not cpu_lora.usable(dtype, torch.device("cpu")):
+        pytest.skip("the CPU LoRA kernel cannot be built here")
+    return LoRASlots(LAYERS, SHAPES, num_slots, RANK, dtype, torch.device("cpu"),
+                     path == "triton", cpu_kernel=path == "kernel")  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["kernel", "masked", "triton"])
+def test_each_row_gets_its_own_adapter_product(path):
+    slots = make_slots(path, 2)
     every = random_adapter("every", 1, 8, SHAPES)
     qv = random_adapter("qv", 2, 4, ("q_proj", "v_proj"))
     mlp = random_adapter("mlp", 3, 6, ("gate_proj", "down_proj"))
@@ -73,3 +83,21 @@ def test_a_forgotten_adapter_frees_its_slot():
     assert slots.free == [0] and not slots.resident
     slots.batch([second])
     assert list(slots.resident) == [second.cache_root]
+
+
+def test_the_kernel_rounds_as_the_bfloat16_matmuls_do():
+    """Same roundings as the masked path (h, then the delta, then the sum, each to bf16):
+    the two differ at most by the order of float32 sums, one bf16 step at the end."""
+    kernel = make_slots("kernel", 2, torch.bfloat16)
+    masked = make_slots("masked", 2, torch.bfloat16)
+    adapters = [random_adapter("x", 4, 8, SHAPES), random_adapter("y", 5, 3, ("q_proj",))]
+    rows = [adapters[0], None, adapters[1], adapters[0]]
+    gen = torch.Generator().manual_seed(0)
+    for proj, modules in FUSED.items():
+        x = torch.randn(len(rows), SHAPES[modules[0]][0], generator=gen).bfloat16()
+        y = torch.randn(len(rows), sum(SHAPES[m][1] for m in modules), generator=gen).bfloat16()
+        got, want = y.clone(), y.clone()
+        kernel.batch(rows).add(got, x, 1, proj)
+        masked.batch(rows).add(want, x, 1, proj)
+        torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
+        assert torch.equal(got[1], y[1])  # the base-model row is left exactly as it was

@@ -146,3 +146,32 @@ def test_a_request_whose_adapter_cannot_run_is_not_starved(tiny_model, adapters,
     assert finished_at is not None and finished_at < 30, finished_at
     assert b.lora_overtaken == 3  # later a0 requests did go first, as many as allowed
     run(engine)
+
+
+@pytest.mark.parametrize("overtakes", [scheduler_module.MAX_LORA_OVERTAKES, 0])
+def test_a_free_place_goes_first_to_an_adapter_in_a_device_slot(tiny_model, adapters,
+                                                                 monkeypatch, overtakes):  # fmt: skip
+    """Two slots, a0 running and a1 still in the other: of x (a2, to be copied in) and y (a1,
+    behind it), y takes the one free place and x waits for the next. Overtakes bound this as
+    any: with none allowed, x, owed its turn, goes first."""
+    monkeypatch.setattr(scheduler_module, "MAX_LORA_OVERTAKES", overtakes)
+    three = {name: adapters[name] for name in NAMES[:3]}
+    llm = lora_llm(tiny_model, three, max_loras=2, max_cpu_loras=3)
+    engine = llm.engine
+    llm.generate(PROMPTS[0], greedy(2), use_tqdm=False, lora="a1")
+    engine.add_request("long", PROMPTS[1], greedy(8), lora_name="a0")
+    engine.step()
+    slots = engine.runner.lora_slots
+    assert [slots.holds(engine.loras.registry.loaded[n]) for n in NAMES[:3]] == [True, True, False]
+    engine.add_request("x", PROMPTS[2], greedy(4), lora_name="a2")
+    engine.add_request("y", PROMPTS[3], greedy(4), lora_name="a1")
+    engine.step()
+    first, second = ("y", "x") if overtakes else ("x", "y")
+    assert engine.seqs[first].status == Status.RUNNING
+    assert engine.seqs[second].status == Status.WAITING
+    assert engine.seqs["x"].lora_overtaken == (1 if overtakes else 0)
+    outputs = run(engine)
+    alone = lora_llm(tiny_model, three, max_loras=1, max_cpu_loras=3)
+    for rid, prompt, name in [("x", PROMPTS[2], "a2"), ("y", PROMPTS[3], "a1")]:
+        want = alone.generate(prompt, greedy(4), use_tqdm=False, lora=name)[0]
+        assert outputs[rid] == want.outputs[0].token_ids, rid
