@@ -1,26 +1,27 @@
-"""The verified tuner against fixed max_num_seqs values, on real `batchpilot serve` servers.
+"""The closed loop against the best fixed max_num_seqs on real `batchpilot serve` servers,
+paired per repeat in a randomised ABBA order (the loop v3 issue's "Real servers" check).
 
-    .venv/bin/python benchmarks/tune.py [--quick] [--values 8,16,32,48] [--repeats 3] ...
+    .venv/bin/python benchmarks/tune.py --load closed --clients 48          # the full run
+    .venv/bin/python benchmarks/tune.py --load poisson --rate 6 ...
 
-The service's latency targets (spec.slo: --ttft-target, --itl-target) are fixed before
-anything runs. The server is pinned to --server-cpus (default: the last CPU) and this
-process, which runs the load and the loop, to the others. Goodput is tokens/s of requests
-that met both targets, measured two ways: per request from the load's own timings (TTFT,
-and mean time per output token against the ITL target, as `vllm bench serve --goodput`
-judges a request), and the way the loop sees it (experiment.score on the server's /metrics
-histograms).
+1. Servers: --servers (≥ 2) processes of the bundled model, started once, each pinned to
+   its own CPU set (--server-cpus), with the limits and CRD defaults the operator ships
+   (TuneLimits(), spec.tuning and spec.slo defaults, its 15 s loop period and 60 s metrics
+   window), and warmed up identically.
+2. Calibration: the pre-registered fixed values (--values, plus --start) run side by side,
+   --servers at a time, in windows shaped like the repeats'; F is the best median goodput
+   (or --fixed, then only F and the start are measured).
+3. Repeats: T (the real ClosedLoop from --start, a fresh tuner each repeat) and F, and with
+   three servers S (the start, fixed), each on its own server in the SAME window, under
+   identical copies of the load (same seed and arrival times). Which server runs which arm
+   follows a seeded random ABBA schedule (abba.schedule). Each arm is scored per request
+   (TTFT and mean TPOT against spec.slo, as `vllm bench serve --goodput` judges it) over
+   the window after a shared --warmup, and over its second half.
+4. Optional: a soak (--soak-seconds, 7200 in the issue) and an episodic CPU hog beside
+   every server (--hog-seconds, --hog-period), each a T + F window.
 
-1. Arms, interleaved: for r in 1..--repeats: each fixed value (set through /admin/config),
-   then T, the tuned run (the real ClosedLoop from --start for --tuned-seconds, a fresh
-   tuner each time). A fixed arm drops --warmup s and measures --measure s; T is scored
-   over its last --measure s (and over the whole run after --warmup).
-2. Thrash: a server whose KV cache holds two sequences, started at max_num_seqs 16 under
-   load; the loop drives it; goodput (and throughput, preemptions) before its first
-   decision and after its last verdict.
-3. Noisy neighbour: the main server from the best fixed value, the loop driving it, and a
-   CPU hog on the server's core switched on and off; max_num_seqs over time and verdicts.
-
-Writes benchmarks/results/tune-<date>.json and .png.
+Writes benchmarks/results/tune-abba-<date>[-<tag>].json: args, machine, the ABBA order,
+every window, and the summary with each pass criterion evaluated.
 """
 
 from __future__ import annotations
@@ -29,427 +30,256 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import os
+import random
 import sys
 import tempfile
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
-
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from batchpilot import names
 from batchpilot.operator.crd.spec import parse_spec
-from batchpilot.operator.loop.admin_client import AdminClient
 from batchpilot.operator.loop.guardrails import TuneLimits
-from batchpilot.operator.loop.observe import Observer, Window, parse_metrics
-from batchpilot.operator.loop.scrape import UrlMetricsSource, on_port
-from batchpilot.operator.loop.state import settings_from_status
-from batchpilot.operator.loop.tuner_state import EngineSettings
-from batchpilot.operator.loop.turn import ClosedLoop
-from batchpilot.operator.loop.verify import Targets, score
-from batchpilot.server.bench.server_process import running_server
-from benchmarks.realtune import report
-from benchmarks.realtune.load import ClosedLoad
-from benchmarks.realtune.machine import Hog, affinity, load_average, lscpu, split_cpus
+from batchpilot.server.bench.server_process import free_port, running_server
+from benchmarks.realtune import abba, report, window
+from benchmarks.realtune.load import ClosedLoad, PoissonLoad, poisson_arrivals
+from benchmarks.realtune.machine import (
+    affinity,
+    bench_cpus,
+    load_average,
+    lscpu,
+    parse_cpu_sets,
+    split_cpus,
+)
+from benchmarks.realtune.window import TOKEN, Plan, Server, log
 
-TOKEN = "bench-tune-token"
-KEY = "bench/tune"
-PERIOD = 5.0  # the loop's turn and the scrape period, s
-
-
-def log(msg: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+# The bundled SmolLM2-135M's KV per token in bfloat16: 30 layers x 3 KV heads x 64 dims x
+# (K, V) x 2 bytes. --kv-constrained sizes the cache in these units.
+KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2
 
 
-# --------------------------------------------------------------------------- server I/O
+def kv_constrained_memory(sequences: int, tokens: int) -> str:
+    """A KV cache that holds ``sequences`` sequences of ``tokens`` each: past that many
+    running sequences the engine preempts, so the best max_num_seqs lies inside the tuning
+    range instead of at its top."""
+    return f"{max(1, sequences * tokens * KV_BYTES_PER_TOKEN >> 20)}MiB"
 
 
-async def set_max_num_seqs(url: str, value: int) -> None:
-    admin = on_port(url, names.DEFAULT_ADMIN_PORT)
-    failures = await AdminClient(timeout=60).set_live(
-        [admin], TOKEN, {names.MAX_NUM_SEQS.name: value}
-    )
-    if failures[admin]:
-        raise RuntimeError(failures[admin])
-
-
-async def wait_idle(url: str, timeout: float = 300.0) -> None:
-    """Until the requests the stopped load left behind have left the engine."""
-    busy = (names.NUM_REQUESTS_RUNNING, names.NUM_REQUESTS_WAITING, names.NUM_REQUESTS_SWAPPED)
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=30) as client:
-        while time.monotonic() < deadline:
-            gauges = parse_metrics((await client.get(f"{url}/metrics")).text, time.time()).gauges
-            if not any(gauges.get(n, 0.0) for n in busy):
-                return
-            await asyncio.sleep(0.5)
-    raise RuntimeError(f"{url} still busy after {timeout} s")
-
-
-class Recording:
-    """Every scrape round, so that a window can be cut from any span of a run."""
-
-    def __init__(self):
-        self.rounds: list[tuple[float, list]] = []
-
-    def record(self, key: str, scrapes, now: float) -> None:
-        self.rounds.append((now, list(scrapes)))
-
-    def window(self, key: str, since: float, until: float = math.inf) -> Window | None:
-        observer = Observer(window_seconds=1e9)
-        for now, scrapes in self.rounds:
-            if since <= now <= until:
-                observer.record(key, scrapes, now)
-        return observer.window(key)
-
-
-class Tee:
-    """The loop's metrics source, also recording into a long measuring window."""
-
-    def __init__(self, url: str, measuring: Recording):
-        self.source = UrlMetricsSource([url], timeout=30)
-        self.measuring = measuring
-        self.reported_max_num_seqs: int | None = None
-
-    async def scrape(self, namespace, name):
-        scrapes = await self.source.scrape(namespace, name)
-        self.measuring.record(KEY, scrapes, time.time())
-        if scrapes and scrapes[0].text:
-            gauges = parse_metrics(scrapes[0].text, time.time()).gauges
-            value = gauges.get(names.MAX_NUM_SEQS_METRIC)
-            self.reported_max_num_seqs = int(value) if value is not None else None
-        return scrapes
-
-
-def loop_score(w: Window | None, targets: Targets) -> dict | None:
-    """The window the way the loop judges it (per replica; one replica here)."""
-    if w is None or w.span_seconds <= 0:
-        return None
-    s = score(w, targets)
-    return {
-        "slo_attainment": s.attainment,
-        "requests": s.requests,
-        "tokens_per_second": s.throughput,
-        "tpot_p90_s": s.tpot_p90,
-        "ttft_p99_s": s.ttft_p99,
-        "waiting": s.waiting,
-        "preemptions_per_minute": w.preemptions_per_minute,
-        "seconds": w.span_seconds,
+def tuning_spec(start: int, args):
+    spec: dict = {
+        "engine": {"maxNumSeqs": start},
+        "tuning": {"enabled": True},
     }
+    if args.tuning_range:
+        lo, hi = args.tuning_range
+        spec["tuning"]["maxNumSeqs"] = {"min": lo, "max": hi}
+    slo = {k: v for k, v in (("timeToFirstTokenSeconds", args.ttft_target),
+                             ("interTokenLatencySeconds", args.itl_target)) if v}  # fmt: skip
+    if slo:
+        spec["slo"] = slo
+    return parse_spec(spec)
 
 
-def measured(load: ClosedLoad, observer: Recording, t0: float, t1: float, args) -> dict:
-    return {
-        "per_request": load.score(t0, t1, args.ttft_target, args.itl_target),
-        "loop_score": loop_score(
-            observer.window(KEY, since=t0 - 0.5, until=t1 + 0.5), targets(args)
-        ),
-        "from": t0,
-        "to": t1,
-    }
+def make_load(args, seed: int, measure: float, url: str, t0: float):
+    """One copy of the load; every server of a window gets one with the same ``seed``."""
+    if args.load == "closed":
+        return ClosedLoad(url, args.clients, args.output_lens, args.prompt_repeats, seed)
+    horizon = args.warmup + measure + 60  # arrivals outlast the window
+    arrivals = poisson_arrivals(args.rate, horizon, seed)
+    return PoissonLoad(url, arrivals, args.output_lens, args.prompt_repeats, seed)
 
 
-def targets(args) -> Targets:
-    return Targets(args.ttft_target, args.itl_target)
-
-
-# --------------------------------------------------------------------------- the arms
-
-
-async def fixed_arm(url: str, value: int, args) -> dict:
-    await set_max_num_seqs(url, value)
-    load = ClosedLoad(url, args.concurrency, args.output_lens, args.prompt_repeats)
-    observer, source = (
-        Recording(),
-        UrlMetricsSource([url], timeout=30),
-    )
-    await load.start()
-    try:
-        await asyncio.sleep(args.warmup)
-        t0 = time.time()
-        end = t0 + args.measure
-        while True:
-            observer.record(KEY, await source.scrape("", ""), time.time())
-            if time.time() >= end:
-                break
-            await asyncio.sleep(min(PERIOD, max(0.0, end - time.time())))
-        t1 = time.time()
-        out = {"arm": str(value), "max_num_seqs": value, **measured(load, observer, t0, t1, args)}
-    finally:
-        await load.stop()
-    await wait_idle(url)
-    return out
-
-
-def tuning_spec(start: int, args, lo: int, hi: int):
-    return parse_spec(
-        {"engine": {"maxNumSeqs": start},
-         "slo": {"timeToFirstTokenSeconds": args.ttft_target,
-                 "interTokenLatencySeconds": args.itl_target},
-         "tuning": {"enabled": True, "cooldownSeconds": args.cooldown,
-                    "maxNumSeqs": {"min": lo, "max": hi}}}
+def plan(args, seed: int, measure: float, hog_period: float | None = None) -> Plan:
+    spec = tuning_spec(args.start, args)
+    return Plan(
+        warmup=args.warmup, measure=measure, load=partial(make_load, args, seed, measure),
+        spec=partial(tuning_spec, args=args), ttft_target=spec.slo.time_to_first_token_seconds,
+        itl_target=spec.itl_target_seconds, hog_period=hog_period,
     )  # fmt: skip
 
 
-def limits(args) -> TuneLimits:
-    """The shipped limits: a bench that shortens them measures another loop."""
-    return TuneLimits()
+async def measured(servers, arms, fixed, p: Plan, start: int) -> dict:
+    lavg = load_average()
+    w = await window.run(servers[: len(arms)], arms, start, fixed, p)
+    w["load_average"] = [lavg, load_average()]
+    for a in w["arms"]:
+        log(f"  server {a['server']} arm {a['arm']}: goodput {a['goodput_whole']:.1f} "
+            f"(second half {a['goodput_second_half']:.1f}), throughput "
+            f"{a['throughput_whole']:.1f} tok/s, {a['requests_meeting_slo']} met the SLO")  # fmt: skip
+    return w
 
 
-async def looped(url: str, start: int, seconds: float, args, spec, concurrency: int,
-                 output_lens, hog_schedule=None) -> dict:  # fmt: skip
-    """The load from max_num_seqs ``start``, the real loop every PERIOD s for ``seconds``:
-    its decisions, max_num_seqs over time, and the load's per-request record."""
-    await set_max_num_seqs(url, start)
-    measuring = Recording()
-    tee = Tee(url, measuring)
-    loop = ClosedLoop(
-        tee, AdminClient(timeout=60), observer=Observer(window_seconds=args.window),
-        limits=limits(args),
+async def calibrate(servers, args, rng: random.Random) -> list[dict]:
+    values = [args.fixed] if args.fixed else list(args.values)
+    values += [args.start] if args.start not in values else []
+    windows = []
+    for c in range(args.calibration_rounds):
+        order = rng.sample(values, len(values))  # which value meets which server, and when
+        for i in range(0, len(order), len(servers)):
+            arms = [str(v) for v in order[i : i + len(servers)]]
+            log(f"calibration {c}: {arms} on servers 0..{len(arms) - 1}")
+            p = plan(args, args.seed + 1000 * (c + 1) + i, args.window_seconds)
+            windows.append(await measured(servers, arms, {a: int(a) for a in arms}, p, args.start))
+    return windows
+
+
+async def warm(servers, args) -> None:
+    """The same closed load on every server at the start value, then idle: the first
+    requests' one-time costs (kernels, caches) are paid before any arm."""
+    log(f"warming every server for {args.server_warmup:.0f} s")
+    p = Plan(warmup=0.0, measure=args.server_warmup,
+             load=lambda url, t0: ClosedLoad(url, args.clients, args.output_lens,
+                                             args.prompt_repeats, args.seed - 1),
+             spec=partial(tuning_spec, args=args), ttft_target=1.0, itl_target=1.0)  # fmt: skip
+    # No arm is tuned and the window's scores are dropped: the targets above are unused.
+    label = str(args.start)
+    await window.run(servers, [label] * len(servers), args.start, {label: args.start}, p)
+
+
+async def experiment(servers, args) -> dict:
+    rng = random.Random(args.seed)
+    await warm(servers, args)
+    cal = await calibrate(servers, args, rng)
+    table = report.calibration(cal)
+    best = args.fixed or report.best_fixed(table)
+    arms = ["T", "F"]
+    if len(servers) >= 3 and args.start != best:
+        arms.append("S")
+    fixed = {"F": best, "S": args.start}
+    order = abba.schedule(arms, args.repeats, args.seed)
+    log(f"F = max_num_seqs {best}; ABBA order (arm per server): {order}")
+    repeats = []
+    for r, assignment in enumerate(order):
+        log(f"repeat {r}: {assignment}")
+        p = plan(args, args.seed + r, args.window_seconds)
+        repeats.append(await measured(servers, assignment, fixed, p, args.start))
+    extra = {}
+    if args.soak_seconds:
+        log(f"soak: {args.soak_seconds:.0f} s")
+        p = plan(args, args.seed + 500, args.soak_seconds)
+        extra["soak"] = await measured(servers, ["T", "F"], fixed, p, args.start)
+    if args.hog_seconds:
+        log(f"hog beside every server, {args.hog_period:.0f} s on/off, {args.hog_seconds:.0f} s")
+        p = plan(args, args.seed + 600, args.hog_seconds, args.hog_period)
+        extra["hog"] = await measured(servers, ["T", "F"], fixed, p, args.start)
+    start_arm = "S" if "S" in arms else ("F" if best == args.start else None)
+    summary = report.summary(
+        repeats, start_arm, table.get(str(args.start), {}).get("median"), extra.get("soak"),
+        extra.get("hog"), args.seed,
     )  # fmt: skip
-    status: dict = {}
-    settings = EngineSettings(start)
-    decisions, timeline, apply_failures = [], [], []
-    hog = hog_schedule[0] if hog_schedule else None
-    load = ClosedLoad(url, concurrency, output_lens, args.prompt_repeats)
-    await load.start()
-    # The loop's first baseline must not hold the load's start-up transient (the first
-    # requests meet no queue): the loop starts once the load has run --warmup s.
-    await asyncio.sleep(args.warmup)
-    t0 = time.time()
-    try:
-        while (now := time.time()) - t0 < seconds:
-            if hog is not None:
-                hog.set(hog_schedule[1](now - t0))
-            outcome = await loop.run_once("bench", "tune", spec, status, 1, settings, TOKEN)
-            for k, v in outcome.status_patch.items():
-                status[k] = v
-            settings = settings_from_status(status) or settings
-            t = round(time.time() - t0, 1)
-            d = outcome.tuning
-            if d is not None and d.changes:
-                decisions.append({
-                    "time": t, "action": d.action, "kind": d.kind,
-                    "max_num_seqs": d.settings.max_num_seqs, "reason": d.reason,
-                    "before": d.before.to_status() if d.before else None,
-                    "after": d.after.to_status() if d.after else None,
-                })  # fmt: skip
-                log(f"  t={t:.0f}s {d.action} {d.kind}: max_num_seqs {d.settings.max_num_seqs}"
-                    f" ({d.reason})")  # fmt: skip
-            if outcome.apply_failures:
-                apply_failures.append({"time": t, **outcome.apply_failures})
-            metrics = status.get("metrics") or {}
-            timeline.append({
-                "time": t, "max_num_seqs": settings.max_num_seqs,
-                "reported_max_num_seqs": tee.reported_max_num_seqs,
-                "hog": bool(hog and hog.on), "decision": d.action if d else None,
-                "reason": d.reason[:160] if d else None,
-                "tokens_per_second": metrics.get("generationTokensPerSecond"),
-                "itl_p99_s": metrics.get("itlP99Seconds"),
-            })  # fmt: skip
-            await asyncio.sleep(max(0.0, PERIOD - (time.time() - now)))
-        t1 = time.time()
-    finally:
-        if hog is not None:
-            hog.set(False)
-        await load.stop()
-    await wait_idle(url)
-    return {
-        "start": start, "t0": t0, "t1": t1, "decisions": decisions, "timeline": timeline,
-        "apply_failures": apply_failures, "final_max_num_seqs": settings.max_num_seqs,
-        "load": load, "measuring": measuring,
-    }  # fmt: skip
+    return {"calibration": {"table": table, "best_fixed": best, "windows": cal},
+            "abba_order": order, "repeats": repeats, **extra, "summary": summary}  # fmt: skip
 
 
-async def tuned_arm(url: str, args) -> dict:
-    spec = tuning_spec(args.start, args, min(args.values), max(args.values))
-    run = await looped(url, args.start, args.tuned_seconds, args, spec, args.concurrency,
-                       args.output_lens)  # fmt: skip
-    load, measuring, t0, t1 = run.pop("load"), run.pop("measuring"), run["t0"], run["t1"]
-    return {
-        "arm": "T",
-        "max_num_seqs": run["final_max_num_seqs"],
-        **measured(load, measuring, t1 - args.measure, t1, args),
-        "whole_run": measured(load, measuring, t0 + args.warmup, t1, args),
-        **run,
-    }
+def serve_args(args, admin_port: int) -> list[str]:
+    out = ["--max-model-len", str(args.max_model_len), "--admin-token", TOKEN,
+           "--admin-port", str(admin_port), "--max-num-seqs", str(args.start)]  # fmt: skip
+    kv = args.kv_cache_memory or (
+        kv_constrained_memory(args.kv_sequences, args.kv_tokens) if args.kv_constrained else None
+    )
+    return out + (["--kv-cache-memory", kv] if kv else [])
 
 
-async def arms(url: str, args) -> list[dict]:
-    out = []
-    for r in range(args.repeats):
-        for arm in [*args.values, "T"]:
-            lavg = load_average()
-            m = await (tuned_arm(url, args) if arm == "T" else fixed_arm(url, arm, args))
-            m |= {"repeat": r, "load_average_before": lavg}
-            pr, ls = m["per_request"], m["loop_score"] or {}
-            log(f"repeat {r} arm {arm} (max_num_seqs {m['max_num_seqs']}): goodput "
-                f"{pr['goodput_tokens_per_second']:.1f} per request, "
-                f"{ls.get('goodput_tokens_per_second', 0):.1f} as the loop scores it; "
-                f"throughput {pr['tokens_per_second']:.1f} tok/s; load {lavg}")  # fmt: skip
-            out.append(m)
-    return out
-
-
-def phases(run: dict, args) -> dict:
-    """Before the first decision, and after the last verdict (from --warmup s after it)."""
-    load, measuring, t0, t1 = run["load"], run["measuring"], run["t0"], run["t1"]
-    decisions = run["decisions"]
-    first = t0 + (decisions[0]["time"] if decisions else t1 - t0)
-    last = t0 + (decisions[-1]["time"] if decisions else 0.0) + args.warmup
-    out = {"before_first_decision": measured(load, measuring, t0 + args.warmup, first, args)}
-    if t1 - last >= 10:
-        out["after_last_verdict"] = measured(load, measuring, last, t1, args)
-    return out
-
-
-@contextlib.contextmanager
-def server(serve_args: list[str], log_path: Path, cpus: set[int]):
-    """running_server started on ``cpus`` (the engine sizes its torch threads to its
-    affinity); this process goes back to its own CPUs for the load and the loop."""
+async def main_async(args, tmp: Path, cpu_sets: list[set[int]]) -> dict:
     with contextlib.ExitStack() as stack:
-        with affinity(cpus):
-            url = stack.enter_context(running_server(serve_args, log_path))
-        yield url
-
-
-async def thrash(args, tmp: Path, cpus: set[int]) -> dict:
-    # 13 MiB of float32 KV: 18 blocks of 16 tokens, two sequences at 12 + 96 tokens.
-    serve = ["--max-num-seqs", "16", "--kv-cache-memory", "13MiB", "--swap-space", "0.02",
-             "--dtype", "float32", "--max-model-len", "256", "--admin-token", TOKEN]  # fmt: skip
-    with server(serve, tmp / "thrash-serve.log", cpus) as url:
-        spec = tuning_spec(16, args, 1, 16)
-        run = await looped(url, 16, args.thrash_seconds, args, spec, args.thrash_concurrency,
-                           (96,))  # fmt: skip
-    out = phases(run, args)
-    run.pop("load"), run.pop("measuring")
-    return {**out, **run, "concurrency": args.thrash_concurrency, "output_len": 96}
-
-
-def hog_schedule(args):
-    """Off for the first --hog-period s (a baseline), then on and off in turns."""
-    return lambda t: int(t // args.hog_period) % 2 == 1
-
-
-async def noisy(url: str, start: int, args, cpus: set[int]) -> dict:
-    spec = tuning_spec(start, args, min(args.values), max(args.values))
-    hog = Hog(cpus)
-    try:
-        run = await looped(url, start, args.noisy_seconds, args, spec, args.concurrency,
-                           args.output_lens, (hog, hog_schedule(args)))  # fmt: skip
-    finally:
-        hog.close()
-    load, measuring, t0, t1 = run.pop("load"), run.pop("measuring"), run["t0"], run["t1"]
-    on = hog_schedule(args)
-    spans = []  # (start, end, hog on?) relative to t0
-    edge = 0.0
-    while edge < t1 - t0:
-        end = min(t1 - t0, edge + args.hog_period)
-        spans.append((edge, end, on(edge)))
-        edge = end
-    by_phase = [
-        {**measured(load, measuring, t0 + a, t0 + b, args), "from": a, "to": b, "hog": h}
-        for a, b, h in spans if b - a >= 10
-    ]  # fmt: skip
-    return {**run, "phases": by_phase, "hog_period_s": args.hog_period}
-
-
-# --------------------------------------------------------------------------- main
+        servers = []
+        for i, cpus in enumerate(cpu_sets):
+            admin_port = free_port()
+            with affinity(cpus):  # the engine sizes its torch threads to its affinity
+                url = stack.enter_context(
+                    running_server(serve_args(args, admin_port), tmp / f"serve-{i}.log")
+                )
+            servers.append(Server(url, f"http://127.0.0.1:{admin_port}", frozenset(cpus)))
+        return await experiment(servers, args)
 
 
 def parse_args(argv=None):
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    p.add_argument("--quick", action="store_true",
-                   help="a smoke run: one repeat, two values, short phases")  # fmt: skip
-    slo = p.add_argument_group("the service's targets (spec.slo), fixed before the sweep")
-    slo.add_argument("--ttft-target", type=float, default=10.0, help="TTFT, seconds")
-    slo.add_argument("--itl-target", type=float, default=0.5,
-                     help="inter-token latency, seconds: the loop reads its P99 over the gaps; "
-                     "per request the mean TPOT is held to it")  # fmt: skip
-    w = p.add_argument_group("load and arms")
-    w.add_argument("--values", type=ints, default=[8, 16, 32, 48])
-    w.add_argument("--start", type=int, default=8, help="the tuned run's starting value")
-    w.add_argument("--repeats", type=int, default=3)
-    w.add_argument("--concurrency", type=int, default=48, help="closed-loop clients")
-    w.add_argument("--output-lens", type=ints, default=[64, 128])
-    w.add_argument("--prompt-repeats", type=ints, default=[1, 5, 20])
-    w.add_argument("--warmup", type=float, default=10.0)
-    w.add_argument("--measure", type=float, default=45.0)
-    w.add_argument("--tuned-seconds", type=float, default=200.0)
-    w.add_argument("--thrash-seconds", type=float, default=180.0)
-    w.add_argument("--thrash-concurrency", type=int, default=8)
-    w.add_argument("--noisy-seconds", type=float, default=300.0)
-    w.add_argument("--noisy-start", type=int, default=None,
-                   help="default: the fixed value with the best mean goodput")  # fmt: skip
-    w.add_argument("--hog-period", type=float, default=60.0, help="hog off, then on, each s")
-    lp = p.add_argument_group("the loop (TuneLimits and spec.tuning, shortened for a bench)")
-    lp.add_argument("--cooldown", type=int, default=20)
-    lp.add_argument("--window", type=float, default=60.0, help="the loop's metrics window, s")
-    p.add_argument("--server-cpus", type=lambda s: {int(c) for c in s.split(",")}, default=None,
-                   help="CPUs to pin the server to (default: the last); the load generator "
-                   "and the loop get the others")  # fmt: skip
-    p.add_argument("--skip", type=lambda s: set(s.split(",")), default=set(),
-                   help="phases to skip: thrash,noisy")  # fmt: skip
+    p.add_argument("--servers", type=int, default=2, help="≥ 2; a third runs the start arm")
+    p.add_argument("--server-cpus", type=parse_cpu_sets, default=None,
+                   help="one CPU set per server, e.g. 0,1 or 0-1,2-3 (default: the CPUs "
+                   "dealt evenly); the load generator and the loop get the rest, or share")  # fmt: skip
+    p.add_argument("--max-model-len", type=int, default=512, help="the model length")
+    p.add_argument("--load", choices=("closed", "poisson"), default="closed")
+    p.add_argument("--clients", type=int, default=48, help="closed loop: clients")
+    p.add_argument("--rate", type=float, default=None, help="poisson: requests per second")
+    p.add_argument("--output-lens", type=ints, default=[64, 128])
+    p.add_argument("--prompt-repeats", type=ints, default=[1, 5, 20],
+                   help="prompt lengths: the seed prompt repeated this many times")  # fmt: skip
+    p.add_argument("--kv-constrained", action="store_true",
+                   help="a KV cache of --kv-sequences sequences of --kv-tokens (bf16 model)")  # fmt: skip
+    p.add_argument("--kv-sequences", type=int, default=16)
+    p.add_argument("--kv-tokens", type=int, default=128,
+                   help="tokens a sequence holds on average (the default workload: a 76-token "
+                   "mean prompt plus half its 96-token mean output)")  # fmt: skip
+    p.add_argument("--kv-cache-memory", default=None, help="the servers' KV size, e.g. 64MiB")
+    p.add_argument("--values", type=ints, default=[8, 16, 32, 48],
+                   help="the pre-registered fixed max_num_seqs list F is chosen from")  # fmt: skip
+    p.add_argument("--fixed", type=int, default=None, help="F, instead of calibrating")
+    p.add_argument("--start", type=int, default=8, help="the tuned arm's start value")
+    p.add_argument("--tuning-range", type=ints, default=None,
+                   help="min,max of spec.tuning.maxNumSeqs (default: the CRD's, 8..256)")  # fmt: skip
+    p.add_argument("--ttft-target", type=float, default=None, help="default: the CRD's (2 s)")
+    p.add_argument("--itl-target", type=float, default=None,
+                   help="mean TPOT target (default: the CRD's, 0.1 s)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--calibration-rounds", type=int, default=1)
+    p.add_argument("--server-warmup", type=float, default=60.0)
+    p.add_argument("--warmup", type=float, default=60.0, help="shared warm-up of a window, s")
+    p.add_argument("--window-seconds", type=float, default=1800.0, help="scored span, s")
+    p.add_argument("--soak-seconds", type=float, default=0.0, help="the issue: 7200")
+    p.add_argument("--hog-seconds", type=float, default=0.0)
+    p.add_argument("--hog-period", type=float, default=300.0, help="hog off, then on, each s")
+    p.add_argument("--seed", type=int, default=20261204, help="ABBA order and loads")
+    p.add_argument("--tag", default="", help="a suffix of the result's name, e.g. smoke")
     p.add_argument("--result-dir", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
-    if args.quick:
-        args.values, args.repeats, args.start = args.values[:1] + args.values[-1:], 1, args.start
-        args.warmup, args.measure, args.tuned_seconds = 5.0, 20.0, 60.0
-        args.thrash_seconds, args.noisy_seconds, args.hog_period = 60.0, 60.0, 20.0
+    if args.servers < 2:
+        p.error("--servers must be at least 2: the arms of a repeat run side by side")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    if args.load == "poisson" and not args.rate:
+        p.error("--load poisson needs --rate")
     return args
-
-
-async def run(args, tmp: Path, server_cpus: set[int], bench_cpus: set[int]) -> dict:
-    out: dict = {}
-    serve = ["--max-model-len", "512", "--admin-token", TOKEN, "--max-num-seqs", str(args.start)]
-    with server(serve, tmp / "serve.log", server_cpus) as url:
-        out["arms"] = await arms(url, args)
-        fixed = report.per_arm(out["arms"])
-        best = max((a for a in fixed if a["arm"] != "T"),
-                   key=lambda a: a["goodput"]["mean"])  # fmt: skip
-        if "noisy" not in args.skip:
-            start = args.noisy_start or int(best["arm"])
-            log(f"noisy neighbour from max_num_seqs {start}")
-            out["noisy"] = await noisy(url, start, args, server_cpus)
-    if "thrash" not in args.skip:
-        log("thrash")
-        out["thrash"] = await thrash(args, tmp, server_cpus)
-    return out
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    server_cpus, bench_cpus = split_cpus(args.server_cpus)
-    os.sched_setaffinity(0, bench_cpus)
-    date = time.strftime("%Y%m%d-%H%M%S")
+    cpus = os.sched_getaffinity(0)
+    cpu_sets = args.server_cpus or split_cpus(args.servers, cpus)
+    if len(cpu_sets) != args.servers:
+        raise SystemExit(f"--server-cpus gives {len(cpu_sets)} sets for {args.servers} servers")
+    bench = bench_cpus(cpu_sets, cpus)
+    shared = bool(bench & set().union(*cpu_sets))
+    os.sched_setaffinity(0, bench)
     tmp = Path(tempfile.mkdtemp(prefix="bench-tune-"))  # server logs
     started, lavg0 = time.time(), load_average()
-    log(f"server on CPUs {sorted(server_cpus)}, load and loop on {sorted(bench_cpus)}; "
-        f"load average {lavg0}; logs in {tmp}")  # fmt: skip
-    results = asyncio.run(run(args, tmp, server_cpus, bench_cpus))
+    pinning = (f"servers on CPUs {[sorted(c) for c in cpu_sets]}, load generator and loop on "
+               f"{sorted(bench)}" + (" (shared with the servers: no spare CPU)" if shared else ""))  # fmt: skip
+    log(f"{pinning}; load average {lavg0}; logs in {tmp}")
+    results = asyncio.run(main_async(args, tmp, cpu_sets))
+    spec = tuning_spec(args.start, args)
     out = {
-        "date": date,
+        "date": time.strftime("%Y%m%d-%H%M%S", time.localtime(started)),
         "wall_seconds": round(time.time() - started),
-        "machine": {"lscpu": lscpu(), "server_cpus": sorted(server_cpus),
-                    "bench_cpus": sorted(bench_cpus), "load_average_start": lavg0,
+        "machine": {"lscpu": lscpu(), "pinning": pinning, "load_average_start": lavg0,
                     "load_average_end": load_average()},
-        "slo": {"ttft_seconds": args.ttft_target, "itl_seconds": args.itl_target},
-        "limits": asdict(limits(args)),
-        "args": {k: sorted(v) if isinstance(v, set) else (str(v) if isinstance(v, Path) else v)
-                 for k, v in vars(args).items()},
-        "summary": report.summary(results, args),
+        "slo": {"ttft_seconds": spec.slo.time_to_first_token_seconds,
+                "tpot_seconds": spec.itl_target_seconds},
+        "limits": asdict(TuneLimits()), "loop_interval_s": window.LOOP_INTERVAL,
+        "tuning": spec.tuning.model_dump(by_alias=True),
+        "args": {k: [sorted(c) for c in v] if k == "server_cpus" and v else
+                 (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         **results,
     }  # fmt: skip
-    print(json.dumps(out["summary"], indent=2))
-    suffix = "-quick" if args.quick else ""
-    path = args.result_dir / f"tune-{date}{suffix}.json"
+    print(json.dumps(out["summary"]["criteria"], indent=2))
+    suffix = f"-{args.tag}" if args.tag else ""
+    path = args.result_dir / f"tune-abba-{out['date'][:8]}{suffix}.json"
     path.write_text(json.dumps(out, indent=2))
-    report.plot(out, args.result_dir / f"tune-{date}{suffix}.png")
     log(f"wrote {path}")
     return 0
 

@@ -1,5 +1,5 @@
-"""A closed-loop load in the benchmark's own process, timed per request and per token, and
-goodput scored from those timings.
+"""A closed-loop or open-loop (Poisson) load in the benchmark's own process, timed per
+request and per token, and goodput scored from those timings.
 
 The requests are `batchpilot bench serve`'s (server/bench/workload.py, EOS ignored) and are
 timed as its client times them (server/bench/client.py: TTFT from send to the first token
@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -82,34 +83,29 @@ async def _stream(client: httpx.AsyncClient, url: str, payload: dict, r: Request
         r.error = f"{type(e).__name__}: {e}"
 
 
-class ClosedLoad:
-    """``concurrency`` clients, each sending its next request when the last one ends."""
+class _Load:
+    """Requests of one seeded workload against one server, each timed as it streams."""
 
-    def __init__(self, url: str, concurrency: int, output_lens, prompt_repeats, seed: int = 0):
+    def __init__(self, url: str, output_lens, prompt_repeats, seed: int, connections: int):
         self.url = url.rstrip("/")
-        self.concurrency = concurrency
         self.workload = make_workload(4096, seed, tuple(output_lens), tuple(prompt_repeats))
         self.requests: list[Request] = []
+        self.connections = connections
         self._tasks: list[asyncio.Task] = []
         self._client: httpx.AsyncClient | None = None
+        self._model = ""
 
-    async def start(self) -> None:
-        limits = httpx.Limits(max_connections=self.concurrency + 2)
+    async def _open(self) -> None:
+        limits = httpx.Limits(max_connections=self.connections)
         self._client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(900, connect=10))
-        model = await discover_model(self._client, self.url, {})
-        order = itertools.cycle(self.workload)
+        self._model = await discover_model(self._client, self.url, {})
 
-        async def client() -> None:
-            while True:
-                w = next(order)
-                r = Request(time.time(), w.output_len)
-                self.requests.append(r)
-                payload = completion_payload(model, w.prompt, w.output_len, ignore_eos=True)
-                await _stream(self._client, f"{self.url}/v1/completions", payload, r)
-                if r.error:
-                    await asyncio.sleep(1.0)
-
-        self._tasks = [asyncio.create_task(client()) for _ in range(self.concurrency)]
+    async def _send(self, w) -> Request:
+        r = Request(time.time(), w.output_len)
+        self.requests.append(r)
+        payload = completion_payload(self._model, w.prompt, w.output_len, ignore_eos=True)
+        await _stream(self._client, f"{self.url}/v1/completions", payload, r)
+        return r
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -122,6 +118,65 @@ class ClosedLoad:
 
     def score(self, t0: float, t1: float, ttft_target: float, itl_target: float) -> dict:
         return score_requests(self.requests, t0, t1, ttft_target, itl_target)
+
+
+class ClosedLoad(_Load):
+    """``concurrency`` clients, each sending its next request when the last one ends."""
+
+    def __init__(self, url: str, concurrency: int, output_lens, prompt_repeats, seed: int = 0):
+        super().__init__(url, output_lens, prompt_repeats, seed, concurrency + 2)
+        self.concurrency = concurrency
+
+    async def start(self, t0: float) -> None:
+        """The clients start together at ``t0`` (wall clock)."""
+        await self._open()
+        order = itertools.cycle(self.workload)
+        await asyncio.sleep(max(0.0, t0 - time.time()))
+
+        async def client() -> None:
+            while True:
+                if (await self._send(next(order))).error:
+                    await asyncio.sleep(1.0)
+
+        self._tasks = [asyncio.create_task(client()) for _ in range(self.concurrency)]
+
+
+def poisson_arrivals(rate: float, seconds: float, seed: int) -> list[float]:
+    """Arrival offsets (s) of a Poisson process of ``rate`` per second over ``seconds``:
+    the same seed gives every server the same arrival times."""
+    rng = random.Random(seed)
+    out, t = [], rng.expovariate(rate)
+    while t < seconds:
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+class PoissonLoad(_Load):
+    """Open loop: request i is sent at ``t0 + arrivals[i]`` whatever the server's state,
+    so a server past its capacity builds a queue (vLLM bench serve's --request-rate)."""
+
+    def __init__(self, url: str, arrivals: list[float], output_lens, prompt_repeats,
+                 seed: int = 0):  # fmt: skip
+        # No connection cap: a cap would turn the open loop back into a closed one.
+        super().__init__(url, output_lens, prompt_repeats, seed, len(arrivals) + 2)
+        self.arrivals = arrivals
+
+    async def start(self, t0: float) -> None:
+        await self._open()
+
+        async def dispatch() -> None:
+            sends = []
+            for offset, w in zip(self.arrivals, itertools.cycle(self.workload)):
+                await asyncio.sleep(max(0.0, t0 + offset - time.time()))
+                sends.append(asyncio.create_task(self._send(w)))
+            try:
+                await asyncio.gather(*sends)
+            finally:
+                for s in sends:
+                    s.cancel()
+
+        self._tasks = [asyncio.create_task(dispatch())]
 
 
 def score_requests(

@@ -26,12 +26,32 @@ def load_average() -> list[float]:
     return [round(v, 2) for v in os.getloadavg()]
 
 
-def split_cpus(server_cpus: set[int] | None) -> tuple[set[int], set[int]]:
-    """(the server's CPUs, the benchmark's): by default the last CPU serves and the others
-    run the load generator and the loop; on one CPU both share it."""
-    cpus = os.sched_getaffinity(0)
-    server = server_cpus or {max(cpus)}
-    return server, (cpus - server) or cpus
+def parse_cpu_sets(text: str) -> list[set[int]]:
+    """'0,1' -> [{0}, {1}]; '0-1,2+3' -> [{0, 1}, {2, 3}]: one CPU set per server."""
+    sets = []
+    for item in text.split(","):
+        cpus: set[int] = set()
+        for part in item.split("+"):
+            lo, _, hi = part.partition("-")
+            cpus |= set(range(int(lo), int(hi or lo) + 1))
+        sets.append(cpus)
+    return sets
+
+
+def split_cpus(servers: int, cpus: set[int]) -> list[set[int]]:
+    """``cpus`` dealt into ``servers`` disjoint sets of equal size (the leftover CPUs go to
+    the load generator); with fewer CPUs than servers, servers share round-robin."""
+    ordered = sorted(cpus)
+    each = len(ordered) // servers
+    if each == 0:
+        return [{ordered[i % len(ordered)]} for i in range(servers)]
+    return [set(ordered[i * each : (i + 1) * each]) for i in range(servers)]
+
+
+def bench_cpus(server_sets: list[set[int]], cpus: set[int]) -> set[int]:
+    """The load generator's and the loop's CPUs: those no server has, else all of them
+    (shared with the servers, as on a 2-core machine with one core per server)."""
+    return (cpus - set().union(*server_sets)) or cpus
 
 
 @contextlib.contextmanager
