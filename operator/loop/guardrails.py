@@ -15,9 +15,9 @@
   fp8 when allowed, else lower to the count the KV cache held, at most halving.
 - Latency: fewer than ``latency_attainment`` of the window's requests met the TPOT target,
   and the model attributes it to the batch (its step at the running batch misses the
-  target), on a healthy plant with no queue and a demand the latency cap can carry (else
-  the lower would only trade TPOT misses for TTFT misses, and the queue guardrail would
-  undo it a turn later): lower to the latency cap, at most halving.
+  target), on a healthy plant with no queue (a backlog drains slower after a lower, and
+  the queue guardrail would undo it a turn later): lower to the latency cap, at most
+  halving.
 - LoRA-bound (MaxLorasBottleneck): a higher max_loras within tuning.maxLoras.
 Pure: no I/O, no clock.
 """
@@ -181,8 +181,6 @@ def latency(
     if model.degraded(now) or model.queue_growing():
         return None
     demand = model.per_replica()
-    if demand.rate > plan.capacity:
-        return None  # the latency cap cannot carry the demand: a lower trades TPOT for TTFT
     queued = max(w.per_replica(w.waiting), model.queue[-1] if model.queue else 0.0)
     if queued >= limits.min_waiting:
         return None  # a backlog drains slower after a lower: its TTFTs pay for the TPOTs

@@ -439,17 +439,12 @@ def test_no_latency_lower_while_the_queue_grows_or_the_plant_is_degraded():
     assert latency(model=degraded, now=1100.0) is not None
 
 
-def test_no_latency_lower_when_the_latency_cap_cannot_carry_the_demand():
-    # More arrivals than the plan completes within the SLO: a lower would only build a queue
-    # (the overload raise would undo it the next turn, and they would take turns).
-    model = ready_model()
-    p = plan(model.fit(), model.demand, 0.06, Bounds(2, 64), 32, None, (None, None))
-    busy_day = replace(model, demand=replace(model.demand, rate=1.5 * p.capacity))
-    assert latency(model=busy_day) is None
-    assert latency(model=replace(model, demand=replace(model.demand, rate=0.5 * p.capacity)))
-    # Nor with a backlog, in the window or the last turn: it would drain slower.
+def test_no_latency_lower_into_a_backlog():
+    # It would drain slower, and the queue guardrail would raise again a turn later: in the
+    # window or in the last turn.
     assert latency(w=replace(SLOW, waiting=1.0)) is None
-    assert latency(model=replace(model, queue=(2.0,))) is None
+    assert latency(model=replace(ready_model(), queue=(2.0,))) is None
+    assert latency(model=replace(ready_model(), queue=(0.1,))) is not None
 
 
 # --------------------------------------------------------------------------- the arbiter
