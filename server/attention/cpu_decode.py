@@ -9,11 +9,8 @@ no headers) `load()` returns None once and the torch path runs.
 Whether it or torch decodes is measured at start-up: cpu_decode_choice.py."""
 
 import functools
-import logging
 
-from batchpilot.server.platform import timing_cache
-
-log = logging.getLogger("batchpilot.engine")
+from batchpilot.server.platform import cpu_kernels
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -130,19 +127,10 @@ CFLAGS = ["-O3", "-march=native", *FAST_SUMS, "-fopenmp"]
 
 @functools.cache
 def load():
-    """The compiled module, or None (logged once) where it cannot be built. The build is
-    cached by torch under a name that carries this CPU's flags, so a cache shared with
-    another kind of CPU never loads code built for instructions it lacks."""
-    from torch.utils.cpp_extension import load_inline
-
-    try:
-        log.info("building the CPU decode attention kernel (cached after the first time)")
-        name = f"batchpilot_cpu_decode_{timing_cache.flags_digest()}"
-        return load_inline(name, cpp_sources=SOURCE, functions=["paged_decode"],
-                           extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])  # fmt: skip
-    except Exception as exc:  # any build failure: the torch path is always correct
-        log.warning("CPU decode attention kernel unavailable, using torch: %s", exc)
-        return None
+    """The compiled module, or None where it cannot be built."""
+    return cpu_kernels.build(
+        "cpu_decode", SOURCE, "paged_decode", "decode attention", CFLAGS, ("-fopenmp",)
+    )
 
 
 def paged_decode(q, k_cache, v_cache, tables, lens, block_size: int, scale: float):

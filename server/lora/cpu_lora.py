@@ -14,13 +14,10 @@ Built on first use like cpu_norm's kernel; where it cannot be built `load()` ret
 once and the torch path runs."""
 
 import functools
-import logging
 
 import torch
 
-from batchpilot.server.platform import timing_cache
-
-log = logging.getLogger("batchpilot.engine")
+from batchpilot.server.platform import cpu_kernels
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -88,18 +85,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @functools.cache
 def load():
-    """The compiled module, or None (logged once) where it cannot be built; cached by
-    torch under a name carrying this CPU's flags."""
-    from torch.utils.cpp_extension import load_inline
-
-    try:
-        log.info("building the CPU LoRA kernel (cached after the first time)")
-        name = f"batchpilot_cpu_lora_{timing_cache.flags_digest()}"
-        return load_inline(name, cpp_sources=SOURCE, functions=["lora_bgmv"],
-                           extra_cflags=CFLAGS)  # fmt: skip
-    except Exception as exc:  # any build failure: the torch path is always correct
-        log.warning("CPU LoRA kernel unavailable, using torch's matmuls: %s", exc)
-        return None
+    """The compiled module, or None where it cannot be built."""
+    return cpu_kernels.build("cpu_lora", SOURCE, "lora_bgmv", "LoRA", CFLAGS)
 
 
 def usable(dtype: torch.dtype, device: torch.device) -> bool:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchpilot.server.model import cpu_linear
-from batchpilot.server.platform import timing_cache
+from batchpilot.server.platform import cpu_kernels
 from batchpilot.server.platform.cpuinfo import cpu_flags
 
 log = logging.getLogger("batchpilot.engine")
@@ -99,20 +99,10 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 @functools.cache
 def load():
-    """The compiled module, or None (logged once) where this CPU lacks AVX512-BF16 or
-    the build fails. Cached by torch under a name carrying this CPU's flags."""
+    """The compiled module, or None where this CPU lacks AVX512-BF16 or the build fails."""
     if "avx512_bf16" not in cpu_flags():
         return None
-    from torch.utils.cpp_extension import load_inline
-
-    try:
-        log.info("building the CPU bf16 GEMV kernel (cached after the first time)")
-        name = f"batchpilot_cpu_gemv_{timing_cache.flags_digest()}"
-        return load_inline(name, cpp_sources=SOURCE, functions=["gemv_bf16"],
-                           extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])  # fmt: skip
-    except Exception as exc:  # any build failure: torch's linear is always correct
-        log.warning("CPU bf16 GEMV kernel unavailable, using torch: %s", exc)
-        return None
+    return cpu_kernels.build("cpu_gemv", SOURCE, "gemv_bf16", "bf16 GEMV", CFLAGS, ("-fopenmp",))
 
 
 def fits(linear: nn.Linear) -> bool:

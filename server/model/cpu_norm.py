@@ -12,13 +12,10 @@ Built on first use like cpu_decode's kernel; where it cannot be built `load()` r
 None once and the torch ops run."""
 
 import functools
-import logging
 
 import torch
 
-from batchpilot.server.platform import timing_cache
-
-log = logging.getLogger("batchpilot.engine")
+from batchpilot.server.platform import cpu_kernels
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -79,18 +76,8 @@ CFLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-f
 
 @functools.cache
 def load():
-    """The compiled module, or None (logged once) where it cannot be built; cached by
-    torch under a name carrying this CPU's flags."""
-    from torch.utils.cpp_extension import load_inline
-
-    try:
-        log.info("building the CPU RMSNorm kernel (cached after the first time)")
-        name = f"batchpilot_cpu_norm_{timing_cache.flags_digest()}"
-        return load_inline(name, cpp_sources=SOURCE, functions=["add_rms_norm"],
-                           extra_cflags=CFLAGS)  # fmt: skip
-    except Exception as exc:  # any build failure: the torch ops are always correct
-        log.warning("CPU RMSNorm kernel unavailable, using torch: %s", exc)
-        return None
+    """The compiled module, or None where it cannot be built."""
+    return cpu_kernels.build("cpu_norm", SOURCE, "add_rms_norm", "RMSNorm", CFLAGS)
 
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

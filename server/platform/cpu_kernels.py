@@ -9,7 +9,10 @@ is reported and the torch path it replaces serves instead."""
 
 import argparse
 import importlib
+import logging
 import time
+
+log = logging.getLogger("batchpilot.engine")
 
 # What each kernel replaces, by the module that builds it (its load() returns None where it
 # cannot build or this CPU cannot run it).
@@ -19,6 +22,26 @@ KERNELS = {
     "batchpilot.server.model.cpu_gemv": "bf16 projections up to 8 rows (torch's F.linear)",
     "batchpilot.server.lora.cpu_lora": "LoRA products (four torch ops a projection)",
 }
+
+
+def build(stem: str, source: str, function: str, what: str, cflags: list[str],
+          ldflags: tuple[str, ...] = ()):  # fmt: skip
+    """One kernel compiled by torch, or None (logged) where it cannot be built: the torch path
+    it replaces is always correct. Cached by torch under a name carrying this CPU's flags, so
+    a cache shared with another kind of CPU never loads code built for instructions it
+    lacks."""
+    from torch.utils.cpp_extension import load_inline
+
+    from batchpilot.server.platform import timing_cache
+
+    try:
+        log.info("building the CPU %s kernel (cached after the first time)", what)
+        name = f"batchpilot_{stem}_{timing_cache.flags_digest()}"
+        return load_inline(name, cpp_sources=source, functions=[function],
+                           extra_cflags=cflags, extra_ldflags=list(ldflags))  # fmt: skip
+    except Exception as exc:  # any build failure: the torch path is always correct
+        log.warning("CPU %s kernel unavailable, using torch: %s", what, exc)
+        return None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
