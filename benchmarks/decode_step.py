@@ -2,7 +2,8 @@
 15 steps (on the attention path the start-up timing chose) and print the median.
 `--temperature 0.7 --batch 40` is the seed's load script; `--kernel-ab` times 40 steps
 with the CPU decode kernel on and off in turn, whatever start-up chose, so a shared
-machine's drifting load hits both alike. Run it under different `taskset` pinnings to see
+machine's drifting load hits both alike; `--rope-ab` does the same for the fused rotary +
+K/V write (server/model/cpu_rope.py) against torch's ops. Run it under different `taskset` pinnings to see
 what the thread count costs on a loaded machine, e.g.
 `taskset -c 1 .venv/bin/python benchmarks/decode_step.py`. `--no-malloc-tuning` leaves
 glibc's malloc as it comes (server/platform/cpu_malloc.py), for an A/B of its page faults."""
@@ -18,11 +19,13 @@ import torch
 
 from batchpilot.server import LLM, SamplingParams
 from batchpilot.server.bench.workload import SEED_REPEATS, seed_prompt
+from batchpilot.server.model import cpu_rope
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
 parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--temperature", type=float, default=0.0)
 parser.add_argument("--kernel-ab", action="store_true")
+parser.add_argument("--rope-ab", action="store_true")
 parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
 parser.add_argument("--linear-backend", default="auto", choices=("auto", "torch", "onednn"))
 parser.add_argument("--no-malloc-tuning", action="store_true")
@@ -48,11 +51,16 @@ print(f"admitting {args.batch} prompts: {admitting} steps, {time.perf_counter() 
 
 chosen = engine.runner.attention_backend
 print(f"start-up chose {chosen}")
-modes = [True, False] * 20 if args.kernel_ab else [chosen == "cpu_kernel"] * 15
+ab = args.kernel_ab or args.rope_ab
+modes = [True, False] * 20 if ab else [chosen == "cpu_kernel"] * 15
+fused_rope = cpu_rope.usable
 times = {True: [], False: []}
 faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for on in modes:
-    engine.runner.attention_backend = "cpu_kernel" if on else "torch"
+    if args.rope_ab:
+        cpu_rope.usable = fused_rope if on else lambda *_: False
+    else:
+        engine.runner.attention_backend = "cpu_kernel" if on else "torch"
     start = time.perf_counter()
     engine.step()
     times[on].append(time.perf_counter() - start)
@@ -61,6 +69,7 @@ batch = engine.stats().last_step_batch_size
 print(f"minor page faults per step: {faults:.0f}")
 for on, taken in times.items():
     if taken:
-        print(f"step at batch {batch}, temperature {args.temperature}, kernel "
+        print(f"step at batch {batch}, temperature {args.temperature}, "
+              f"{'rotary + write' if args.rope_ab else 'decode'} kernel "
               f"{'on' if on else 'off'}: median {statistics.median(taken) * 1e3:.0f} ms, "
               f"min {min(taken) * 1e3:.0f} ms")  # fmt: skip

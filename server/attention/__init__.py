@@ -52,13 +52,15 @@ def build_attention_metadata(backend: str, seqs: list[tuple[list[int], int, int]
 
 
 def attention(q, k, v, kv, layer: int, meta: AttentionMetadata | TritonMetadata,
-              scale: float) -> torch.Tensor:  # fmt: skip
-    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] -> [tokens, heads * dim]."""
+              scale: float, cached: bool = False) -> torch.Tensor:  # fmt: skip
+    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] -> [tokens, heads * dim].
+    cached: k and v are already in the cache at meta.slot_mapping (cpu_rope wrote them)."""
     if isinstance(meta, TritonMetadata):
         from batchpilot.server.attention.triton_attention import triton_paged_attention
 
+        assert not cached, "the Triton path writes its own K/V"
         return triton_paged_attention(q, k, v, kv, layer, meta, scale)
-    return paged_attention(q, k, v, kv, layer, meta, scale)
+    return paged_attention(q, k, v, kv, layer, meta, scale, cached)
 
 
 @functools.cache

@@ -16,9 +16,12 @@ from batchpilot.server.kv.cache import KVCache
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache,
-                    layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:  # fmt: skip
-    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] -> [tokens, heads * dim]."""
-    kv.write(layer, meta.slot_mapping, k, v)
+                    layer: int, meta: AttentionMetadata, scale: float,
+                    cached: bool = False) -> torch.Tensor:  # fmt: skip
+    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim] -> [tokens, heads * dim].
+    cached: k and v are in the cache already (the CPU's fused rotary + write)."""
+    if not cached:
+        kv.write(layer, meta.slot_mapping, k, v)
     num_tokens, num_heads, dim = q.shape
     kv_heads = k.shape[1]
     group = num_heads // kv_heads

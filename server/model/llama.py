@@ -18,7 +18,7 @@ from batchpilot.server.attention import attention
 from batchpilot.server.attention.metadata import AttentionMetadata
 from batchpilot.server.kv.cache import KVCache
 from batchpilot.server.lora.slots import LoRABatch
-from batchpilot.server.model import cpu_norm
+from batchpilot.server.model import cpu_norm, cpu_rope
 
 # config.hidden_act -> the MLP's gate activation (transformers' ACT2FN names).
 ACTIVATIONS = {
@@ -120,9 +120,14 @@ class DecoderLayer(nn.Module):
         qk = qk.view(n, heads + self.num_kv_heads, self.head_dim)  # q and k rotate as one
         if self.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :heads])[0], self.k_norm(qk[:, heads:])[0]), dim=1)
-        qk = rotate(qk, cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        attn = attention(qk[:, :heads], qk[:, heads:], v, kv, self.index, meta, self.scale)
+        cached = cpu_rope.usable(qk, kv, meta)
+        if cached:  # rotated in place, k and v written: one call for nine torch ops
+            cpu_rope.rope_and_cache(qk, v, cos, sin, kv, self.index, meta.slot_mapping, heads)
+        else:
+            qk = rotate(qk, cos, sin)
+        attn = attention(qk[:, :heads], qk[:, heads:], v, kv, self.index, meta, self.scale,
+                         cached)  # fmt: skip
         h, residual = self.post_attention_layernorm(self._project("o_proj", attn, lora), residual)
         gate, up = self._project("gate_up_proj", h, lora).chunk(2, dim=-1)
         return self._project("down_proj", self.act(gate).mul_(up), lora), residual

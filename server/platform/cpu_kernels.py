@@ -19,6 +19,7 @@ log = logging.getLogger("batchpilot.engine")
 KERNELS = {
     "batchpilot.server.attention.cpu_decode": "decode attention (torch's paged attention)",
     "batchpilot.server.model.cpu_norm": "residual add + RMSNorm (nine torch ops)",
+    "batchpilot.server.model.cpu_rope": "rotary + K/V cache write (nine torch ops)",
     "batchpilot.server.model.cpu_gemv": "bf16 projections up to 8 rows (torch's F.linear)",
     "batchpilot.server.lora.cpu_lora": "LoRA products (four torch ops a projection)",
 }
