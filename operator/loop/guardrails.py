@@ -17,7 +17,11 @@
   and the model attributes it to the batch (its step at the running batch misses the
   target), on a healthy plant with no queue (a backlog drains slower after a lower, and
   the queue guardrail would undo it a turn later): lower to the latency cap, at most
-  halving.
+  halving. Not while an overload raise binds (``overload_after``): the raise past the plan
+  is remembered, and the lower waits until the overload has been gone (the arrival rate
+  within the plan's capacity, no queue) for ``overload_clear_seconds``; else the two took
+  turns, 32 <-> 64 every 30-60 s on a diurnal peak. A lower with no overload raise before
+  it (a TPOT target no batch can meet, a genuine latency breach) is not held.
 - LoRA-bound (MaxLorasBottleneck): a higher max_loras within tuning.maxLoras.
 Pure: no I/O, no clock.
 """
@@ -32,7 +36,7 @@ from batchpilot.operator.loop.model_state import ModelState
 from batchpilot.operator.loop.observe import Window
 from batchpilot.operator.loop.planner import Plan, tpot_lower, tpot_mean
 from batchpilot.operator.loop.plant import Fit
-from batchpilot.operator.loop.tuner_state import EngineSettings, Kind, is_fp8
+from batchpilot.operator.loop.tuner_state import EngineSettings, Kind, OverloadRaise, is_fp8
 from batchpilot.operator.loop.verify import share_within
 
 FP8 = "fp8"
@@ -56,6 +60,9 @@ class TuneLimits:
     replan_seconds: float = 6 * 3600.0  # a drift check without a change point
     lora_bottleneck_share: float = 0.5  # of the window's scrapes LoRA-bound (LoraInfo)
     lora_raise_factor: float = 2.0
+    # An overload raise binds until the overload has been gone this long (the dwell of a
+    # planned change: a demand near the plan's capacity crosses it back and forth).
+    overload_clear_seconds: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,8 @@ class Candidate:
     kind: Kind
     settings: EngineSettings
     reason: str
+    # An overload raise past the plan: the plan's max_num_seqs it went past (else None).
+    past_plan: int | None = None
 
 
 def thrash_per_1k(w: Window) -> float:
@@ -164,7 +173,60 @@ def queue(
         f"queue: {waiting:.1f} waiting per replica with {running:.1f} of "
         f"{s.max_num_seqs} slots busy: max_num_seqs {s.max_num_seqs} -> {new} ({source})"
     )
-    return Candidate("raise", replace(s, max_num_seqs=new), why)
+    past = plan.max_num_seqs if overload and plan is not None and new > plan.max_num_seqs else None
+    return Candidate("raise", replace(s, max_num_seqs=new), why, past_plan=past)
+
+
+def remembered(c: Candidate, before: EngineSettings, spec: InferenceServiceSpec, now: float,
+               last: OverloadRaise | None) -> OverloadRaise | None:  # fmt: skip
+    """The overload memory an applied move leaves: an overload raise past the plan (from
+    where the first of a run of them started), or ``last`` unchanged."""
+    if c.past_plan is None:
+        return last
+    start = last.before if last is not None else before.max_num_seqs
+    targets = (spec.ttft_target_seconds, spec.itl_target_seconds)
+    return OverloadRaise(now, start, c.settings.max_num_seqs, c.past_plan, targets)
+
+
+def overload_after(
+    o: OverloadRaise, w: Window, s: EngineSettings, spec: InferenceServiceSpec,
+    model: ModelState, plan: Plan, now: float, limits: TuneLimits,
+) -> OverloadRaise | None:  # fmt: skip
+    """The overload raise's memory after this turn; None once it no longer binds: the
+    settings are back at or under the plan (nothing past it to keep), the SLO it was judged
+    against changed (a new plan), or the overload has been gone (the arrival rate within
+    the plan's capacity, the queue not growing, nobody waiting) for
+    ``overload_clear_seconds``."""
+    if s.max_num_seqs <= plan.max_num_seqs:
+        return None
+    if o.targets != (spec.ttft_target_seconds, spec.itl_target_seconds):
+        return None
+    queued = max(w.per_replica(w.waiting), model.queue[-1] if model.queue else 0.0)
+    if overloaded(s, model, plan) or queued >= limits.min_waiting:
+        return replace(o, clear_since=None)
+    since = now if o.clear_since is None else o.clear_since
+    if now - since >= limits.overload_clear_seconds:
+        return None
+    return replace(o, clear_since=since)
+
+
+def overload_hold(o: OverloadRaise, model: ModelState, plan: Plan, now: float,
+                  limits: TuneLimits) -> str:  # fmt: skip
+    """Why the latency guardrail does not lower while ``o`` binds."""
+    rate = model.per_replica().rate
+    if o.clear_since is None:
+        state = (
+            f"the overload persists ({rate:.3g} requests/s per replica against the plan's "
+            f"capacity of {plan.capacity:.3g}, or a queue)"
+        )
+    else:
+        left = limits.overload_clear_seconds - (now - o.clear_since)
+        state = f"the overload is gone since {now - o.clear_since:.0f} s, {left:.0f} s to go"
+    return (
+        f"latency lower held: max_num_seqs {o.before} -> {o.after} was an overload raise past "
+        f"the plan's {o.plan}, and {state}: a lower would trade TPOT misses for TTFT misses "
+        f"and the queue guardrail would raise again"
+    )
 
 
 def latency(

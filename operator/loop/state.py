@@ -36,6 +36,7 @@ from batchpilot.operator.loop.tuner_state import (
     EngineSettings,
     Experiment,
     Move,
+    OverloadRaise,
     TuneDecision,
     Verdict,
 )
@@ -181,6 +182,9 @@ class TunerState:
     planned_epoch: int | None = None  # the model epoch the last plan was made under
     planned_at: float | None = None
     planned_requests: float = 0.0  # the demand's evidence then (a plan is redone once it doubles)
+    # The last raise past the plan on an overload, while it binds (the latency guardrail
+    # does not undo it while the overload lasts); None: none, or it no longer binds.
+    overload: OverloadRaise | None = None
 
     @property
     def last_change(self) -> float | None:
@@ -212,6 +216,7 @@ class TunerState:
         experiments = _parsed([tuning.get("experiment")], Experiment.from_status)
         models = _parsed([tuning.get("model")], ModelState.from_status)
         plan = _field(tuning, "plan")
+        overload = _parsed([tuning.get("overloadRaise")], OverloadRaise.from_status)
         return cls(
             settings=settings,
             experiment=experiments[0] if experiments else None,
@@ -221,6 +226,7 @@ class TunerState:
             planned_epoch=_count(plan.get("epoch")),
             planned_at=_number(plan.get("time")),
             planned_requests=_number(plan.get("requests")) or 0.0,
+            overload=overload[0] if overload else None,
         )
 
     def to_status(
@@ -244,6 +250,8 @@ class TunerState:
                 "time": self.planned_at,
                 "requests": round(self.planned_requests, 1),
             },
+            # None removes a memory that no longer binds.
+            "overloadRaise": self.overload.to_status() if self.overload else None,
         }
         if not_applied is not None:
             out["notApplied"] = [

@@ -9,8 +9,10 @@ Each turn:
 2. A change on test (verify.py) gets its look: kept, reverted, or observed further.
 3. Guardrails (guardrails.py), applied at once: a persistent queue with every slot busy
    raises to the safe cap; KV thrash switches to fp8 when allowed; a latency miss the model
-   blames on the batch lowers. A thrash lower is tested at once instead (swaps can cost
-   less than the slots it gives up). Nothing else lowers capacity.
+   blames on the batch lowers, unless it would undo a raise made past the plan on an
+   overload that has not been gone for ``overload_clear_seconds`` (the memory of that
+   raise is ``TunerState.overload``). A thrash lower is tested at once instead (swaps can
+   cost less than the slots it gives up). Nothing else lowers capacity.
 4. A planned change (planner.py), only when the model and demand are ready, on a new
    epoch or after ``replan_seconds``, outside a freeze (plant degraded, queue growing,
    a rollout under way), after ``dwell_seconds`` since any change, at most
@@ -79,11 +81,12 @@ def decide_tuning(
     """This turn's decision and the tuner's state after it."""
     settings = state.settings or in_force
     state = replace(state, model=state.model.ingest(view.latest, now))
+    state = _overload_memory(view, spec, state, settings, now, limits)
     if state.experiment is not None:
         if (c := _emergency(view, spec, state, settings, now, limits)) is not None:
             e = state.experiment
             c = replace(c, reason=f"{c.reason} (the test of {e.kind} was abandoned)")
-            return _apply(replace(state, experiment=None), c, now, {})
+            return _apply(replace(state, experiment=None), settings, spec, c, now, {})
         return _verify(view, spec, state, settings, now)
     window = view.service
     if window is None or window.replicas == 0:
@@ -96,7 +99,7 @@ def decide_tuning(
         # still bounds it: a window just after a change is short, not a model unready.)
         p = _plan(state, spec, settings, window) if ready else None
         if c := guard.queue(_recent(view), view.replicas, settings, spec, state.model, p, limits):
-            return _apply(state, c, now, {})
+            return _apply(state, settings, spec, c, now, {})
         return _hold(
             state, settings, f"observing: {window.span_seconds:.0f} s of metrics so far", now
         )
@@ -110,18 +113,41 @@ def decide_tuning(
         if state.blocked(Move(settings, "lower"), m.epoch) is None:
             return _start(view, state, settings, thrash, spec, now, inputs)
         thrash = None
+    latency = guard.latency(window, settings, spec, m, fit, p, now, limits)
+    held = None
+    if latency is not None and state.overload is not None and p is not None:
+        # The lower would undo an overload raise while the overload lasts: the queue
+        # guardrail would raise again a turn later, and the two would take turns.
+        held = f"{guard.overload_hold(state.overload, m, p, now, limits)} ({latency.reason})"
+        latency = None
     for c in (
         thrash,
         guard.queue(_recent(view), replicas, settings, spec, m, p, limits),
-        guard.latency(window, settings, spec, m, fit, p, now, limits),
+        latency,
         guard.loras(window, settings, spec, limits),
     ):
         if c is not None:
-            return _apply(state, c, now, inputs)
+            return _apply(state, settings, spec, c, now, inputs)
     if (bound := guard.lora_bound(window, settings, spec, limits)) is not None:
         why = f"{bound}, and max_loras is at tuning.maxLoras.max: scaling out is the autoscaler's"
         return _hold(state, settings, why, now, inputs)
-    return _planned(view, spec, state, settings, now, limits, p, inputs)
+    d, state = _planned(view, spec, state, settings, now, limits, p, inputs)
+    if held is not None and d.action == "hold":
+        d = replace(d, reason=f"{held}; {d.reason}")
+    return d, state
+
+
+def _overload_memory(view: View, spec, state: TunerState, settings, now, limits) -> TunerState:
+    """The overload raise's memory after this turn (guardrails.overload_after): kept while
+    the model can judge it (a fitted model, a demand, a window to read the KV cache from)."""
+    w = view.service
+    if state.overload is None or w is None or w.replicas == 0:
+        return state
+    if state.model.fit() is None or not state.model.demand.ready:
+        return state
+    p = _plan(state, spec, settings, w)
+    o = guard.overload_after(state.overload, w, settings, spec, state.model, p, now, limits)
+    return replace(state, overload=o)
 
 
 def _recent(view: View) -> Window:
@@ -158,10 +184,12 @@ def _hold(state: TunerState, settings: EngineSettings, why: str, now: float, inp
     return d, state.decided(d, state.experiment)
 
 
-def _apply(state: TunerState, c: Candidate, now: float, inputs: dict):
-    """A guardrail's move: on every replica at once, no test."""
+def _apply(state: TunerState, settings, spec, c: Candidate, now: float, inputs: dict):
+    """A guardrail's move: on every replica at once, no test. An overload raise past the
+    plan is remembered (the latency guardrail does not undo it while the overload lasts)."""
     d = TuneDecision("guard", c.settings, f"guardrail: {c.reason}", now, c.kind, inputs=inputs)
-    return d, state.decided(d, None)
+    overload = guard.remembered(c, settings, spec, now, state.overload)
+    return d, replace(state, overload=overload).decided(d, None)
 
 
 def _frozen(view: View, spec, state: TunerState, now: float, limits: TuneLimits) -> str | None:

@@ -332,3 +332,45 @@ class TuneDecision:
             before=Score.from_status(d["before"]) if d.get("before") else None,
             after=Score.from_status(d["after"]) if d.get("after") else None,
         )
+
+
+@dataclass(frozen=True)
+class OverloadRaise:
+    """The last guardrail raise past the plan because the replica was overloaded there (the
+    arrival rate over what the plan completes within the SLO, or the queue growing at it),
+    as long as it binds: the latency guardrail does not lower into it while the overload
+    lasts, nor until it has been gone ``TuneLimits.overload_clear_seconds`` (a lower there
+    would only trade TPOT misses for TTFT misses, and the queue guardrail would raise again
+    a turn later). ``targets``: the (TTFT, TPOT) targets it was judged against; a new SLO is
+    a new plan, and the memory is dropped. ``clear_since``: the first turn of the current
+    run of turns with no overload and no queue (None: overloaded in the latest turn)."""
+
+    time: float
+    before: int  # max_num_seqs it raised from
+    after: int  # and to
+    plan: int  # the plan's max_num_seqs then
+    targets: tuple[float, float]
+    clear_since: float | None = None
+
+    def to_status(self) -> dict:
+        return {
+            "time": timestamp(self.time),
+            "from": self.before,
+            "to": self.after,
+            "plan": self.plan,
+            "targets": list(self.targets),
+            "clearSince": timestamp(self.clear_since) if self.clear_since is not None else None,
+        }
+
+    @classmethod
+    def from_status(cls, d: dict) -> OverloadRaise:
+        ttft, tpot = d["targets"]
+        since = d.get("clearSince")
+        return cls(
+            time=parse_timestamp(d["time"]),
+            before=int(d["from"]),
+            after=int(d["to"]),
+            plan=int(d["plan"]),
+            targets=(float(ttft), float(tpot)),
+            clear_since=parse_timestamp(since) if since is not None else None,
+        )

@@ -1,8 +1,10 @@
 """The loop v3's models, each on its own: the online step model (plant.py), the change
 detectors (changes.py, demand.py, the residual in model_state.py), the planner's caps and
-hysteresis (planner.py) and the no-harm test with its score (verify.py). Inputs are built
-directly: step cells of a known plant, windows of Poisson counts with a fixed seed. The
-guardrails and the tuner's flows are in test_loop_laws.py and test_tuner_experiments.py."""
+hysteresis (planner.py), the no-harm test with its score (verify.py), and the memory of an
+overload raise that keeps the latency guardrail from undoing it (guardrails.overload_after).
+Inputs are built directly: step cells of a known plant, windows of Poisson counts with a
+fixed seed. The other guardrails and the tuner's flows are in test_loop_laws.py and
+test_tuner_experiments.py."""
 
 from __future__ import annotations
 
@@ -10,14 +12,17 @@ import json
 import math
 import random
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import pytest
 
+from batchpilot.operator.crd.spec import parse_spec
 from batchpilot.operator.kube import finite
 from batchpilot.operator.loop import verify
 from batchpilot.operator.loop.changes import Cusum
 from batchpilot.operator.loop.demand import Demand
+from batchpilot.operator.loop.guardrails import TuneLimits, overload_after
 from batchpilot.operator.loop.model_state import SETTLE_SECONDS, ModelState
 from batchpilot.operator.loop.observe import Window
 from batchpilot.operator.loop.observe_steps import StepCell
@@ -34,8 +39,18 @@ from batchpilot.operator.loop.planner import (
     tpot_upper,
 )
 from batchpilot.operator.loop.plant import HALF_LIFE_SECONDS, MIN_STEPS, StepModel
-from batchpilot.operator.loop.tuner_state import Score, Tally
-from tests.support.loop import BETA, DEMAND, replica, step_cells, step_seconds, within
+from batchpilot.operator.loop.state import TunerState
+from batchpilot.operator.loop.tune import View, decide_tuning
+from batchpilot.operator.loop.tuner_state import EngineSettings, OverloadRaise, Score, Tally
+from tests.support.loop import (
+    BETA,
+    DEMAND,
+    ready_model,
+    replica,
+    step_cells,
+    step_seconds,
+    within,
+)
 
 TURN = 15.0  # the loop's period, seconds
 
@@ -465,3 +480,165 @@ def test_one_replica_tests_against_the_window_before_as_a_fixed_level():
     assert v.decided and v.passed
     worse = verify.test(before, score(0.8, 356), 120.0, paired=False)
     assert worse.decided and not worse.passed
+
+
+# --------------------------------------------------------------------------- overload memory
+# The latency lower and the overload raise took turns on a simulated diurnal peak (CPU
+# mismatch plant: 32 <-> 64 every 30-60 s for 10 minutes). The lower now knows when the raise
+# it would undo was an overload raise (TunerState.overload), and waits until the overload has
+# been gone for overload_clear_seconds. Through the tuner, one replica, 60 s windows.
+
+LIMITS = TuneLimits()
+OVERLOAD_SPEC = parse_spec(
+    {
+        "engine": {"maxNumSeqs": 16},
+        "slo": {"interTokenLatencySeconds": 0.06, "timeToFirstTokenSeconds": 2.0},
+        "tuning": {"enabled": True, "maxNumSeqs": {"min": 2, "max": 64}},
+    }
+)
+BUSY_DAY = 5.0  # requests/s: twice what the plan (12 at 60 ms) completes within the SLO
+
+
+def turn(w: Window, state: TunerState, now: float, spec=OVERLOAD_SPEC):
+    settings = state.settings
+    return decide_tuning(View(w, {"http://r0": w}, w), spec, state, settings, now)
+
+
+def overload_raised() -> TunerState:
+    """16 -> 32 on a queue at an arrival rate the plan cannot carry (an overload raise)."""
+    model = ready_model(demand=replace(DEMAND, rate=BUSY_DAY))
+    state = TunerState(settings=EngineSettings(16), model=model)
+    w = replica(running=16, max_num_seqs=16, waiting=8, kv=0.1, arrivals=BUSY_DAY)
+    d, state = turn(w, state, 1000.0)
+    assert (d.action, d.kind, d.settings) == ("guard", "raise", EngineSettings(32)), d.reason
+    assert "past the plan's 12: overloaded there" in d.reason
+    return state
+
+
+def missed_tpot(arrivals: float, waiting: float = 0.0) -> Window:
+    """At 32, half the requests miss the 60 ms TPOT target: the model blames the batch (its
+    lower bound at 32 is 83 ms)."""
+    return replica(running=32, max_num_seqs=32, waiting=waiting, tpot_share=0.5, target=0.06,
+                   arrivals=arrivals)  # fmt: skip
+
+
+def test_the_latency_lower_does_not_undo_an_overload_raise_while_the_overload_lasts():
+    state = overload_raised()
+    o = state.overload
+    assert (o.before, o.after, o.plan, o.targets, o.clear_since) == (16, 32, 12, (2.0, 0.06), None)
+    # The next turns miss the TPOT target at 32, no queue (the raise made room): the lower
+    # would go back to 16 and the queue would come back. Held, and status says why.
+    for now in (1060.0, 1120.0, 1180.0):
+        d, state = turn(missed_tpot(BUSY_DAY), state, now)
+        assert (d.action, d.settings) == ("hold", EngineSettings(32)), d.reason
+        assert d.reason.startswith("latency lower held: max_num_seqs 16 -> 32 was an overload")
+        assert "the overload persists" in d.reason and "guardrail: latency" not in d.reason
+    assert state.overload is not None and state.overload.clear_since is None
+    # The memory is in status.tuning, so a standby operator holds the same.
+    status = json.loads(json.dumps(state.to_status(d, 1180.0)))
+    assert status["overloadRaise"]["from"] == 16 and status["overloadRaise"]["to"] == 32
+    assert TunerState.from_status({"tuning": status}).overload == state.overload
+
+
+def test_after_the_overload_has_been_gone_for_the_dwell_the_latency_lower_happens():
+    state = overload_raised()
+    # The hour's two planned changes are spent: else, past the dwell, a planned lower (tested)
+    # may come first, another way down once the demand is back under the plan's capacity.
+    state = replace(state, model=state.model.with_planned(900.0).with_planned(950.0))
+    d, state = turn(missed_tpot(BUSY_DAY), state, 1060.0)
+    assert d.action == "hold"
+    # The demand falls back under the plan's capacity (1 request/s against 2.3): the clock
+    # starts, and the lower waits for overload_clear_seconds.
+    d, state = turn(missed_tpot(1.0), state, 1120.0)
+    assert d.action == "hold" and state.overload.clear_since == 1120.0
+    assert "the overload is gone since 0 s, 600 s to go" in d.reason
+    # A queue in between restarts the clock (the overload came back).
+    d, state = turn(missed_tpot(1.0, waiting=2.0), state, 1300.0)
+    assert d.action == "hold" and state.overload.clear_since is None
+    d, state = turn(missed_tpot(1.0), state, 1360.0)
+    assert d.action == "hold" and state.overload.clear_since == 1360.0
+    d, state = turn(missed_tpot(1.0), state, 1360.0 + LIMITS.overload_clear_seconds - 60)
+    assert d.action == "hold" and "latency lower held" in d.reason
+    # Gone for the dwell: the memory is dropped and the latency guardrail lowers, at most
+    # halving, as it would have without the overload raise.
+    d, state = turn(missed_tpot(1.0), state, 1360.0 + LIMITS.overload_clear_seconds)
+    assert (d.action, d.kind, d.settings) == ("guard", "lower", EngineSettings(16)), d.reason
+    assert d.reason.startswith("guardrail: latency:")
+    assert state.overload is None
+
+
+def test_a_genuine_latency_breach_with_no_overload_raise_before_it_still_lowers():
+    # The same miss at 32 with no overload raise behind it (32 came from a plan or the spec):
+    # lowered at once, even while the arrival rate is over the plan's capacity.
+    model = ready_model(demand=replace(DEMAND, rate=BUSY_DAY))
+    state = TunerState(settings=EngineSettings(32), model=model)
+    d, _ = turn(missed_tpot(BUSY_DAY), state, 1000.0)
+    assert (d.action, d.kind, d.settings) == ("guard", "lower", EngineSettings(16)), d.reason
+    # A raise to the plan (not past it) leaves no memory either.
+    model = ready_model()
+    state = TunerState(settings=EngineSettings(8), model=model)
+    d, state = turn(replica(running=8, max_num_seqs=8, waiting=8, kv=0.1), state, 1000.0)
+    assert (d.action, d.settings) == ("guard", EngineSettings(12))
+    assert "the model's plan" in d.reason
+    assert state.overload is None
+
+
+KIND_SPEC = parse_spec(  # kind-tests/test_kind_tuning.py's service
+    {
+        "engine": {"maxNumSeqs": 4},
+        "slo": {"interTokenLatencySeconds": 30, "timeToFirstTokenSeconds": 600},
+        "tuning": {"enabled": True, "maxNumSeqs": {"min": 1, "max": 16}, "cooldownSeconds": 20},
+    }
+)
+KIND_UNMEETABLE = KIND_SPEC.model_copy(update={"slo": KIND_SPEC.slo.model_copy(
+    update={"inter_token_latency_seconds": 0.001})})  # fmt: skip
+
+
+@pytest.mark.parametrize("rate", [1.0, BUSY_DAY])
+def test_the_kind_tests_lower_on_a_tpot_target_no_pod_can_meet(rate):
+    # (a) 16 streams against 4 slots: a queue raise (to the plan: the 30 s target is far).
+    model = ready_model(demand=replace(DEMAND, rate=rate))
+    state = TunerState(settings=EngineSettings(4), model=model)
+    w = replica(running=4, max_num_seqs=4, waiting=12, kv=0.1, target=30.0, arrivals=rate)
+    d, state = turn(w, state, 1000.0, KIND_SPEC)
+    assert (d.action, d.kind) == ("guard", "raise") and d.reason.startswith("guardrail: queue:")
+    raised = d.settings.max_num_seqs
+    assert raised > 4 and state.overload is None  # no overload raise before the lower
+    # (b) fewer streams than slots, no queue, and a 1 ms TPOT target: every request misses
+    # it, and the arrival rate is over what the latency cap (1 slot) completes within it.
+    # The withdrawn rule held this lower; the overload memory does not.
+    w = replica(running=raised - 2, max_num_seqs=raised, tpot_share=0.0, target=0.001,
+                arrivals=rate)  # fmt: skip
+    d, state = turn(w, state, 1100.0, KIND_UNMEETABLE)
+    assert (d.action, d.kind) == ("guard", "lower"), d.reason
+    assert d.reason.startswith("guardrail: latency:")
+    assert raised / 2 <= d.settings.max_num_seqs < raised
+
+
+def test_an_overload_raise_judged_under_another_slo_does_not_hold_the_lower():
+    # Had the kind test's raise been an overload raise, the new TPOT target is a new plan:
+    # the memory is dropped, and the lower on the unmeetable target goes ahead.
+    state = replace(overload_raised(), settings=EngineSettings(16))
+    state = replace(state, overload=replace(state.overload, after=16, before=8))
+    d, state = turn(replace(missed_tpot(BUSY_DAY), max_num_seqs={"http://r0": 16}), state,
+                    1060.0, KIND_UNMEETABLE)  # fmt: skip
+    assert (d.action, d.kind, d.settings) == ("guard", "lower", EngineSettings(8)), d.reason
+    assert state.overload is None
+
+
+def test_the_overload_memory_lets_go_once_nothing_is_past_the_plan():
+    model = ready_model(demand=replace(DEMAND, rate=BUSY_DAY))
+    p = plan(model.fit(), model.per_replica(), 0.06, Bounds(2, 64), 32, None, (None, None))
+    o = OverloadRaise(1000.0, 16, 32, p.max_num_seqs, (2.0, 0.06))
+    w = missed_tpot(BUSY_DAY)
+    after = partial(overload_after, o, w, spec=OVERLOAD_SPEC, model=model, plan=p, limits=LIMITS)
+    assert after(s=EngineSettings(32), now=1060.0) == o  # overloaded: kept, no clock
+    assert after(s=EngineSettings(p.max_num_seqs), now=1060.0) is None  # back at the plan
+    calm = replace(model, demand=DEMAND)
+    got = overload_after(o, w, EngineSettings(32), OVERLOAD_SPEC, calm, p, 1060.0, LIMITS)
+    assert got == replace(o, clear_since=1060.0)
+    # A queue in the window or the last turn counts as the overload still there.
+    busy = replace(w, waiting=1.0)
+    assert overload_after(o, busy, EngineSettings(32), OVERLOAD_SPEC, calm, p, 1060.0, LIMITS) == o
+    queued = replace(calm, queue=(1.0,))
+    assert overload_after(o, w, EngineSettings(32), OVERLOAD_SPEC, queued, p, 1060.0, LIMITS) == o

@@ -22,6 +22,7 @@ from batchpilot.operator.loop.tuner_state import (
     EngineSettings,
     Experiment,
     Move,
+    OverloadRaise,
     Score,
     TuneDecision,
     Verdict,
@@ -155,6 +156,22 @@ def test_hand_edited_garbage_is_dropped_never_raised():
     )
     assert st == TunerState()
     assert TunerState.from_status({"tuning": {"maxNumSeqs": None}}).settings is None
+
+
+def test_the_overload_raise_memory_round_trips_and_a_broken_one_is_dropped():
+    latest = TuneDecision("hold", S8, "x", 1600.0)
+    o = OverloadRaise(1500.25, 16, 32, 12, (2.0, 0.06))
+    for memory in (o, replace(o, clear_since=1590.5)):
+        st = replace(full_state(), overload=memory)
+        status = through_json(st.to_status(latest, 1600.0))
+        assert status["overloadRaise"]["from"] == 16 and status["overloadRaise"]["to"] == 32
+        assert TunerState.from_status({"tuning": status}) == st
+    # None is written as None: the merge patch removes a memory that no longer binds.
+    assert full_state().to_status(latest, 1600.0)["overloadRaise"] is None
+    good = through_json(replace(full_state(), overload=o).to_status(latest, 1600.0))
+    for broken in ({**good["overloadRaise"], "targets": [2.0]}, {"time": "now"}, "yes"):
+        back = TunerState.from_status({"tuning": {**good, "overloadRaise": broken}})
+        assert back.overload is None and back.settings == S8
 
 
 def test_the_history_keeps_the_latest_changes_only_and_not_holds():
