@@ -42,6 +42,11 @@ SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+// One core keeps too few cache misses in flight to stream at the memory's speed: asking the
+// L2 for the weights 8 KiB ahead (past the end is harmless: prefetches do not fault) took
+// the bundled model's projections from 34 to 24 ms at one thread on an Intel Xeon (AMX).
+constexpr int64_t PREFETCH_BYTES = 8192;
+
 // ROWS input rows (x, stride k) against four weight rows w[n..n+3] (stride k).
 template <int ROWS>
 static inline void tile(const at::BFloat16* x, const at::BFloat16* w, const float* bias,
@@ -51,8 +56,11 @@ static inline void tile(const at::BFloat16* x, const at::BFloat16* w, const floa
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; i += 32) {
     __m512bh wv[4];
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < 4; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n + j) * k + i) + PREFETCH_BYTES,
+                   _MM_HINT_T1);
       wv[j] = (__m512bh)_mm512_loadu_si512(w + (n + j) * k + i);
+    }
     for (int r = 0; r < ROWS; ++r) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + i);
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
