@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import torch.utils.cpp_extension
 from torch import nn
 
 from batchpilot.server.platform import timing_cache
@@ -108,8 +107,13 @@ def verdict_key(shapes: list, dtype: torch.dtype) -> str:
 def verdict_dir() -> Path:
     """torch's extensions cache, where the decode-attention verdicts live too (the
     operator points $TORCH_EXTENSIONS_DIR at a writable volume)."""
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR")
-                or torch.utils.cpp_extension.get_default_build_root())  # fmt: skip
+    if env := os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(env)
+    # Imported here: cpp_extension pulls in setuptools, a tenth of a second of every
+    # server's start-up (more under load) that only a kernel build or this lookup needs.
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root())
 
 
 @torch.inference_mode()
