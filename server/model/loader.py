@@ -6,11 +6,13 @@ The bundled GGUF takes ~25 s to dequantize, so it is converted once into a
 safetensors directory under the batchpilot cache and loaded from there afterwards.
 """
 
+import json
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from batchpilot.server.config import ConfigError
@@ -43,11 +45,54 @@ def cache_root() -> Path:
     return Path(os.environ.get("BATCHPILOT_CACHE", Path.home() / ".cache" / "batchpilot"))
 
 
+# What the decoder, its RoPE table and the checks read of a Llama config. A config.json
+# stating each (as transformers 5 writes them: the RoPE under rope_parameters) reads the
+# same as LlamaConfig, whose import costs a server 1.7 s of its start-up on 2 CPUs (any
+# config class pulls in torch.distributed.tensor); attributes the decoder reads with a
+# default (head_dim, attention_bias, mlp_bias) have LlamaConfig's defaults there.
+PLAIN_LLAMA_KEYS = (
+    "model_type", "hidden_size", "intermediate_size", "num_attention_heads",
+    "num_key_value_heads", "num_hidden_layers", "rms_norm_eps", "vocab_size",
+    "max_position_embeddings", "hidden_act", "tie_word_embeddings", "eos_token_id",
+    "rope_parameters",
+)  # fmt: skip
+# Tokenizers AutoTokenizer resolves to the tokenizers-backed class itself, which loads
+# without the config (AutoTokenizer reads it, and so imports its class, first).
+PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def plain_config(source: str, gguf_file: str | None) -> SimpleNamespace | None:
+    """A Llama directory's config.json as read, where it states every PLAIN_LLAMA_KEYS and
+    a default RoPE; else None (transformers' config class reads it)."""
+    path = Path(source) / "config.json"
+    if gguf_file or not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    rope = data.get("rope_parameters")
+    if (data.get("model_type") != "llama" or any(k not in data for k in PLAIN_LLAMA_KEYS)
+            or "rope_scaling" in data or not isinstance(rope, dict)
+            or rope.get("rope_type") != "default" or "rope_theta" not in rope):  # fmt: skip
+        return None
+    return SimpleNamespace(**data)
+
+
 def _tokenizer(source: str, gguf_file: str | None):
+    if not gguf_file and _tokenizer_class(Path(source)) in PLAIN_TOKENIZER_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(source, local_files_only=True)
     from transformers import AutoTokenizer
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     return AutoTokenizer.from_pretrained(source, local_files_only=True, **kwargs)
+
+
+def _tokenizer_class(directory: Path) -> str | None:
+    """tokenizer_config.json's tokenizer_class where a tokenizer.json is beside it."""
+    settings = directory / "tokenizer_config.json"
+    if not (directory / "tokenizer.json").is_file() or not settings.is_file():
+        return None
+    return json.loads(settings.read_text()).get("tokenizer_class")
 
 
 def _hf_model(source: str, gguf_file: str | None, dtype):
@@ -128,11 +173,14 @@ def check_supported(config) -> None:
 
 
 def read_config(source: str, gguf_file: str | None):
-    """The transformers config of a resolved source, refused unless supported."""
-    from transformers import AutoConfig
+    """The transformers config of a resolved source (or plain_config's reading of it),
+    refused unless supported."""
+    hf_config = plain_config(source, gguf_file)
+    if hf_config is None:
+        from transformers import AutoConfig
 
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    hf_config = AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
+        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+        hf_config = AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
     check_supported(hf_config)
     return hf_config
 
