@@ -113,9 +113,9 @@ def make_spec(plant: Plant, setting: Setting, arm: Arm) -> InferenceServiceSpec:
     )
 
 
-def run_arm(arm: Arm) -> dict:
-    """Run one arm; the scores' raw material, small enough to send back from a worker."""
-    started, cpu = time.perf_counter(), time.process_time()
+def arm_sim(arm: Arm, sim_class=None):
+    """-> (the arm's built workload, its simulated service, not yet run); sim_class is a
+    RecordingServiceSim subclass where a caller records more (loopsim.timeline)."""
     built = build(arm.workload, arm.plant, scale=arm.scale, load=arm.load)
     cal = arm.plant.calibration
     config = ReplicaConfig(
@@ -124,10 +124,17 @@ def run_arm(arm: Arm) -> dict:
         swap_space_bytes=cal.swap_space_bytes,
         max_num_batched_tokens=cal.default_budget,
     )
-    sim = RecordingServiceSim(
+    sim = (sim_class or RecordingServiceSim)(
         make_spec(arm.plant, arm.setting, arm), config, calibration=cal,
         replicas=arm.replicas, noise=built.noise,
     )  # fmt: skip
+    return built, sim
+
+
+def run_arm(arm: Arm) -> dict:
+    """Run one arm; the scores' raw material, small enough to send back from a worker."""
+    started, cpu = time.perf_counter(), time.process_time()
+    built, sim = arm_sim(arm)
     result = sim.run(built.workload, built.duration, arm.seed)
     half = built.duration / 2
     out = {
