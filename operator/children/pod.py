@@ -267,13 +267,17 @@ def build_container(
             *kv_events_ports(spec),
         ],
         "env": server_env(owner, spec, token),
-        # Probed every 2 s: a replica woken from zero serves what the activator holds as soon
-        # as it is Ready (at 5 s the kubelet took 2.7 s on average to see it). 8 failures:
-        # the same 16 s a busy CPU server may go without answering before it drops out.
-        "readinessProbe": _probe("/ready", period=2, failures=8, timeout=2),
+        # Probed every second (the kubelet's shortest period): a replica woken from zero
+        # serves what the activator holds as soon as it is Ready, and each period is up to
+        # that much more of a cold start (at 5 s the kubelet took 2.7 s on average to see
+        # it). 16 failures: the same 16 s a busy CPU server may go without answering before
+        # it drops out.
+        "readinessProbe": _probe("/ready", period=1, failures=16, timeout=2),
         "livenessProbe": _probe("/health", period=10, failures=6, timeout=5),
         # Loading weights can take minutes: liveness starts once /health first answers.
-        "startupProbe": _probe("/health", period=5, failures=180, timeout=5),
+        # Readiness is probed only after this succeeds, so its period delays Ready too;
+        # /health answers while the model loads, so 900 one-second tries give 15 minutes.
+        "startupProbe": _probe("/health", period=1, failures=900, timeout=5),
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
