@@ -73,6 +73,7 @@ class Point:
     def __init__(self, plan: Plan, logs: Path):
         self.plan, self.logs = plan, logs
         self.own_lists = 0  # our LISTs of the services, kept out of the API load
+        self.list_failures = 0  # our LISTs the API server answered 5xx while we waited
         self.created_at = 0.0  # wall time of the first create
 
     def run(self) -> dict:
@@ -155,6 +156,7 @@ class Point:
             "ready_timeout_s": plan.ready_timeout,
             "operator_cpu_cores_while_reconciling": round(reconcile_cpu, 3),
             "operator_peak_rss_mib_while_reconciling": round(peak_rss, 1),
+            "own_list_failures_while_reconciling": self.list_failures,
             "settle_s": plan.settle_seconds,
             **steady,
         }
@@ -175,7 +177,14 @@ class Point:
         peak RSS meanwhile, and the turn times seen so far by service."""
         peak, times = 0.0, {}
         while time.monotonic() - t0 < self.plan.ready_timeout:
-            items = self._list()
+            try:
+                items = self._list()
+            except client.ApiException as e:
+                # A loaded API server times our LIST out (a 504 after its 60 s): ask again.
+                if e.status is None or e.status < 500:
+                    raise
+                self.list_failures += 1
+                continue
             peak = max(peak, measure.rss_mib(pid))
             self._record_turns(times)
             ready = sum(is_ready(o) for o in items)

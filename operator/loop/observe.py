@@ -3,9 +3,10 @@
 ``Observer`` keeps, per service and per replica, the parsed samples of the last
 ``window_seconds`` and turns them into a ``Window``: gauges averaged over the window,
 counter rates (resets handled as Prometheus' ``increase`` does) and latency P99s from
-histogram bucket deltas. Parsing goes through ``prometheus_client.parser`` only. A replica
-whose scrape failed (scrape.py), or whose answer is not the server's metrics, is skipped
-and counted, never raised. The step-cost cells are observe_steps.py's.
+histogram bucket deltas, from families read as ``prometheus_client.parser`` reads them
+(exposition.py). A replica whose scrape failed (scrape.py), or whose answer is not the
+server's metrics, is skipped and counted, never raised. The step-cost cells are
+observe_steps.py's.
 """
 
 from __future__ import annotations
@@ -17,11 +18,9 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from batchpilot import names
 from batchpilot.operator.bounds import clip
-from batchpilot.operator.loop import observe_steps
+from batchpilot.operator.loop import exposition, observe_steps
 from batchpilot.operator.loop.exposition import COUNTERS, GAUGES, HISTOGRAMS, wanted_lines
 from batchpilot.operator.loop.observe_steps import StepCell, StepKey
 
@@ -108,7 +107,7 @@ def parse_metrics(text: str, now: float) -> Sample:
     steps: dict[StepKey, list[float]] = {}
     lora, info = None, {}
     try:
-        for family in text_string_to_metric_families(wanted_lines(text)):
+        for family in exposition.parse_families(wanted_lines(text)):
             if family.name == names.LORA_REQUESTS_INFO:
                 lora = _newest_lora(family.samples)
                 continue

@@ -12,11 +12,16 @@ with maxUnavailable 0).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from kubernetes import client
+from prometheus_client import Gauge
 
 from batchpilot import names
 from batchpilot.operator import probes
@@ -42,6 +47,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("batchpilot.operator.loop")
 # Events that say the loop could not do its job (the others report what it decided).
 WARNING_REASONS = frozenset({"LoopBlind", "TuningAbandoned", "PlantDegraded"})
+# The turns' blocking calls run on threads of their own. On asyncio's default executor
+# (min(32, cores + 4) threads: 6 on 2 cores) the full reconciles the turns ask for filled
+# every thread at 1,000 services, and each turn's Deployment read queued behind them: the
+# loop ran 1.2 rounds per service in 6 minutes (py-spy, operator-scale benchmark).
+CALL_THREADS = 8  # the Deployment read and the status patch of a turn
+RECONCILE_THREADS = 8  # the full reconciles the turns ask for
+# Turns that scrape and decide at once; the others wait their turn, first come first
+# served. Past what the process can do, every service's interval stretches alike (the
+# wait is batchpilot_operator_loop_turn_wait_seconds), instead of all turns at once
+# parsing on one busy event loop while their scrapes' timeouts run out.
+TURN_SLOTS = 32
+BEHIND_LOG_SECONDS = 60.0  # at most one "behind" warning a minute
+TURN_WAIT = Gauge(
+    "batchpilot_operator_loop_turn_wait_seconds",
+    "Seconds the latest loop turn waited for a slot (TURN_SLOTS turns run at once): the "
+    "stretch of each service's loop interval when the process is over its size",
+    registry=probes.REGISTRY,
+)
 
 
 def adapters_wanted(spec: dict, status: dict) -> bool:
@@ -88,6 +111,15 @@ def wake_requested_at(body: dict) -> float | None:
     )
 
 
+def already_running(was: LoopState, now: LoopState, replicas: int) -> bool:
+    """Only the replica count moved, to what the Deployment already runs (a service's first
+    decision, mostly): nothing for the turn to apply. The timer's check sees the new state
+    in status and records it with one full reconcile; the turn asking for another raced
+    it, and at 1,000 services the two took half the operator's API calls while services
+    were being made."""
+    return was != now and replace(was, replicas=now.replicas) == now and now.replicas == replicas
+
+
 def count(namespace: str, name: str, outcome: LoopOutcome, replicas: int) -> None:
     probes.LOOP_ROUNDS.labels(namespace, name).inc()
     probes.LOOP_LAST_ROUND.labels(namespace, name).set_to_current_time()
@@ -122,6 +154,45 @@ class LoopTimer:
         self._turns: dict[tuple[str, str], asyncio.Lock] = {}
         self._status = StatusMemory(config.status_interval)
         self._adapter_turns: dict[tuple[str, str], asyncio.Lock] = {}
+        self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="loop-call")
+        self._reconciles = ThreadPoolExecutor(RECONCILE_THREADS, thread_name_prefix="loop-rec")
+        self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
+        self._behind_logged = float("-inf")
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A turn's blocking API call (a read, a status patch), on the loop's threads."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._calls, functools.partial(fn, *args)
+        )
+
+    async def _reconcile(self, fn: Callable[..., None], *args: Any) -> None:
+        """A reconcile a turn asks for, on threads apart from the turns' calls."""
+        await asyncio.get_running_loop().run_in_executor(
+            self._reconciles, functools.partial(fn, *args)
+        )
+
+    def _turn_slots(self) -> asyncio.Semaphore:
+        """TURN_SLOTS, on the event loop that turns (a test runs one per turn)."""
+        loop = asyncio.get_running_loop()
+        if self._slots is None or self._slots[0] is not loop:
+            self._slots = (loop, asyncio.Semaphore(TURN_SLOTS))
+        return self._slots[1]
+
+    def _waited(self, seconds: float, logger) -> None:
+        """Count a turn's wait for a slot; say so when it stretches the loop's interval."""
+        TURN_WAIT.set(seconds)
+        now = time.monotonic()
+        if seconds > self.config.loop_interval and now - self._behind_logged > BEHIND_LOG_SECONDS:
+            self._behind_logged = now
+            logger.warning(
+                "loop behind: a turn waited %.0f s for one of %d slots, so each service's "
+                "loop interval is about %.0f s instead of %.0f s; shard (--shard) or "
+                "lengthen --loop-interval",
+                seconds,
+                TURN_SLOTS,
+                self.config.loop_interval + seconds,
+                self.config.loop_interval,
+            )
 
     @property
     def loop(self) -> ClosedLoop:
@@ -159,7 +230,7 @@ class LoopTimer:
             except SpecError:
                 return  # the reconcile reports it as Degraded
             owner = Owner.from_body(body)
-            if await asyncio.to_thread(self.rec.watched_deployment, owner) is None:
+            if await self._call(self.rec.watched_deployment, owner) is None:
                 return  # no replica of ours: nothing to load into
             status = body.get("status") or {}
             token = self.rec.admin_token(owner)
@@ -167,12 +238,12 @@ class LoopTimer:
             before = status.get("adapters") or []
             if outcome.adapters != (status.get("adapters") or None):
                 patch = {"adapters": outcome.adapters}
-                await asyncio.to_thread(self.rec.kube.patch_isvc_status, ns, name, patch)
+                await self._call(self.rec.kube.patch_isvc_status, ns, name, patch)
             for reason, message in outcome.events:
                 logger.info("%s: %s", reason, message)
                 post_event(body, "Normal", reason, message)
             if failures(before) != failures(outcome.adapters or []):
-                await asyncio.to_thread(self.rec.reconcile_by_name, ns, name, logger)
+                await self._reconcile(self.rec.reconcile_by_name, ns, name, logger)
 
     async def tick(self, body: dict, logger: logging.Logger | logging.LoggerAdapter = log) -> None:
         meta = body["metadata"]
@@ -185,23 +256,31 @@ class LoopTimer:
             spec = parse_spec(body.get("spec"))
         except SpecError:
             return  # the reconcile reports it as Degraded
+        if "observedGeneration" not in (body.get("status") or {}):
+            # Never reconciled: no Deployment of ours yet, and reading it would be a GET
+            # answered 404 every turn of every service not built yet (thousands while 1,000
+            # services were made). The reconcile's first status write ends this.
+            return
         kube = self.rec.kube
         owner = Owner.from_body(body)
-        deployment = await asyncio.to_thread(self.rec.watched_deployment, owner)
+        deployment = await self._call(self.rec.watched_deployment, owner)
         if deployment is None:
             return  # nothing of ours serves yet: the reconcile builds it (or reports why not)
-        status = self._status.current((ns, name), body.get("status") or {})
-        replicas = (deployment.get("spec") or {}).get("replicas", 0)
-        outcome = await self.loop.run_once(
-            ns,
-            name,
-            loop_spec(spec),
-            status,
-            replicas,
-            settings_in_force(deployment, spec, status),
-            self.rec.admin_token(owner),
-            wake_requested_at(body),
-        )
+        asked = time.monotonic()
+        async with self._turn_slots():
+            self._waited(time.monotonic() - asked, logger)
+            status = self._status.current((ns, name), body.get("status") or {})
+            replicas = (deployment.get("spec") or {}).get("replicas", 0)
+            outcome = await self.loop.run_once(
+                ns,
+                name,
+                loop_spec(spec),
+                status,
+                replicas,
+                settings_in_force(deployment, spec, status),
+                self.rec.admin_token(owner),
+                wake_requested_at(body),
+            )
         count(ns, name, outcome, replicas)
         now = time.time()
         patch = self._status.record(
@@ -209,7 +288,7 @@ class LoopTimer:
         )
         if patch:
             try:
-                await asyncio.to_thread(kube.patch_isvc_status, ns, name, patch)
+                await self._call(kube.patch_isvc_status, ns, name, patch)
             except Exception:
                 self._status.forget((ns, name))  # the next turn starts from what is written
                 raise
@@ -218,6 +297,13 @@ class LoopTimer:
             warning = reason.endswith("Failed") or reason in WARNING_REASONS
             post_event(body, "Warning" if warning else "Normal", reason, message)
         after = merge_patch(status, outcome.status_patch)
-        if reconcile_inputs(status, now) != reconcile_inputs(after, now):
-            # New settings or replicas for the children, or a loop condition flips.
-            await asyncio.to_thread(self.rec.reconcile_by_name, ns, name, logger)
+        was, now_in = reconcile_inputs(status, now), reconcile_inputs(after, now)
+        if was[1:] != now_in[1:]:
+            # A loop condition flips (LoopBlind, PlantDegraded): status needs the reconcile.
+            await self._reconcile(self.rec.reconcile_by_name, ns, name, logger)
+        elif was != now_in and not already_running(was[0], now_in[0], replicas):
+            # New settings or replicas for the children. The timer's check reconciles the
+            # same decisions once it sees them in status: whichever runs second skips, as
+            # the children already carry them (two full reconciles per decision before).
+            resync = {**body, "status": after}
+            await self._reconcile(self.rec.resync_by_name, ns, name, resync, logger)

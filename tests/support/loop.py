@@ -1,12 +1,14 @@
 """The closed loop's unit-test doubles: metric windows made to order, the loop v3's model
 inputs made to order (step cells of a known plant, a ready model and demand, per-request
 histograms with a given share within a target), and simulated replicas (benchmarks/loopsim)
-behind the two interfaces the loop talks to."""
+behind the two interfaces the loop talks to; FakeServer, the exposition text a real
+server writes."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from types import SimpleNamespace
 
 from batchpilot import names
 from batchpilot.operator.loop.demand import Demand
@@ -15,6 +17,7 @@ from batchpilot.operator.loop.observe import Buckets, Window
 from batchpilot.operator.loop.observe_steps import StepCell
 from batchpilot.operator.loop.plant import StepModel
 from batchpilot.operator.loop.scrape import Scrape
+from batchpilot.server.api import metrics as server_metrics
 from benchmarks.loopsim import EngineModel, ReplicaConfig, ReplicaSim, Request
 
 
@@ -225,3 +228,42 @@ class Replicas:
             self.engines[url].max_num_seqs = value
             answers[admin_url] = None
         return answers
+
+
+SERVER_STATS = {  # what FakeServer's engine reports until a test changes it
+    "num_running": 3,
+    "num_waiting": 5,
+    "num_swapped": 1,
+    "kv_cache_usage": 0.25,
+    "cpu_cache_usage": 0.0,
+    "max_num_seqs": 8,
+    "num_preemptions": 0,
+    "prompt_tokens_total": 0,
+    "generation_tokens_total": 0,
+    "num_swaps_out": 0,
+    "num_swaps_in": 0,
+    "kv_cache_dtype": "fp8",
+    "block_size": 16,
+    "num_kv_blocks": 100,
+    "max_num_batched_tokens": 512,
+    "num_arrivals": 0,
+    "prefix_cache_queries": 0,
+    "prefix_cache_hits": 0,
+    "oldest_waiting_arrival": None,  # none waits
+    # LoRA off (max_lora 0): no vllm:lora_requests_info family.
+    "max_lora": 0,
+    "running_lora_adapters": (),
+    "waiting_lora_adapters": (),
+}
+
+
+class FakeServer:
+    """The server's own metrics registry (server/api/metrics.py) over engine stats: the
+    exact exposition text a `batchpilot serve` writes."""
+
+    def __init__(self):
+        self.stats = dict(SERVER_STATS)
+        self.metrics = server_metrics.ServerMetrics("m", lambda: SimpleNamespace(**self.stats))
+
+    def text(self) -> str:
+        return self.metrics.render()[0].decode()

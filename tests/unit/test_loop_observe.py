@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
@@ -22,44 +21,7 @@ from batchpilot.operator.loop.observe import (
 from batchpilot.operator.loop.scrape import Scrape, UrlMetricsSource, ready_pod_urls
 from batchpilot.server.api import metrics as server_metrics
 from benchmarks.loopsim import metrics as sim
-
-STATS = {
-    "num_running": 3,
-    "num_waiting": 5,
-    "num_swapped": 1,
-    "kv_cache_usage": 0.25,
-    "cpu_cache_usage": 0.0,
-    "max_num_seqs": 8,
-    "num_preemptions": 0,
-    "prompt_tokens_total": 0,
-    "generation_tokens_total": 0,
-    "num_swaps_out": 0,
-    "num_swaps_in": 0,
-    "kv_cache_dtype": "fp8",
-    "block_size": 16,
-    "num_kv_blocks": 100,
-    "max_num_batched_tokens": 512,
-    "num_arrivals": 0,
-    "prefix_cache_queries": 0,
-    "prefix_cache_hits": 0,
-    "oldest_waiting_arrival": None,  # none waits
-    # LoRA off (max_lora 0): no vllm:lora_requests_info family.
-    "max_lora": 0,
-    "running_lora_adapters": (),
-    "waiting_lora_adapters": (),
-}
-
-
-class FakeServer:
-    """The server's own metrics registry (server/api/metrics.py) over engine stats: the
-    exact exposition text a `batchpilot serve` writes."""
-
-    def __init__(self):
-        self.stats = dict(STATS)
-        self.metrics = server_metrics.ServerMetrics("m", lambda: SimpleNamespace(**self.stats))
-
-    def text(self) -> str:
-        return self.metrics.render()[0].decode()
+from tests.support.loop import FakeServer
 
 
 def test_parse_reads_gauges_counters_histograms_and_kv_dtype():
