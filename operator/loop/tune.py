@@ -113,13 +113,7 @@ def decide_tuning(
         if state.blocked(Move(settings, "lower"), m.epoch) is None:
             return _start(view, state, settings, thrash, spec, now, inputs)
         thrash = None
-    latency = guard.latency(window, settings, spec, m, fit, p, now, limits)
-    held = None
-    if latency is not None and state.overload is not None and p is not None:
-        # The lower would undo an overload raise while the overload lasts: the queue
-        # guardrail would raise again a turn later, and the two would take turns.
-        held = f"{guard.overload_hold(state.overload, m, p, now, limits)} ({latency.reason})"
-        latency = None
+    latency, held = _latency(window, settings, spec, state, fit, p, now, limits)
     for c in (
         thrash,
         guard.queue(_recent(view), replicas, settings, spec, m, p, limits),
@@ -135,6 +129,17 @@ def decide_tuning(
     if held is not None and d.action == "hold":
         d = replace(d, reason=f"{held}; {d.reason}")
     return d, state
+
+
+def _latency(window, settings, spec, state: TunerState, fit, p, now, limits):
+    """-> (the latency guardrail's lower or None, why it was held or None). The lower is
+    held while it would undo an overload raise and the overload lasts: the queue guardrail
+    would raise again a turn later, and the two would take turns."""
+    latency = guard.latency(window, settings, spec, state.model, fit, p, now, limits)
+    if latency is None or state.overload is None or p is None:
+        return latency, None
+    why = guard.overload_hold(state.overload, state.model, p, now, limits)
+    return None, f"{why} ({latency.reason})"
 
 
 def _overload_memory(view: View, spec, state: TunerState, settings, now, limits) -> TunerState:
