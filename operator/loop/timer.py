@@ -159,16 +159,11 @@ class LoopTimer:
         self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self._behind_logged = float("-inf")
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """A turn's blocking API call (a read, a status patch), on the loop's threads."""
+    async def _call(self, fn: Callable[..., Any], *args: Any, pool=None) -> Any:
+        """A turn's blocking API call (a read, a status patch) on the loop's threads, or on
+        ``pool`` (the reconciles a turn asks for run apart from the turns' calls)."""
         return await asyncio.get_running_loop().run_in_executor(
-            self._calls, functools.partial(fn, *args)
-        )
-
-    async def _reconcile(self, fn: Callable[..., None], *args: Any) -> None:
-        """A reconcile a turn asks for, on threads apart from the turns' calls."""
-        await asyncio.get_running_loop().run_in_executor(
-            self._reconciles, functools.partial(fn, *args)
+            pool or self._calls, functools.partial(fn, *args)
         )
 
     def _turn_slots(self) -> asyncio.Semaphore:
@@ -243,7 +238,9 @@ class LoopTimer:
                 logger.info("%s: %s", reason, message)
                 post_event(body, "Normal", reason, message)
             if failures(before) != failures(outcome.adapters or []):
-                await self._reconcile(self.rec.reconcile_by_name, ns, name, logger)
+                await self._call(
+                    self.rec.reconcile_by_name, ns, name, logger, pool=self._reconciles
+                )
 
     async def tick(self, body: dict, logger: logging.Logger | logging.LoggerAdapter = log) -> None:
         meta = body["metadata"]
@@ -300,10 +297,12 @@ class LoopTimer:
         was, now_in = reconcile_inputs(status, now), reconcile_inputs(after, now)
         if was[1:] != now_in[1:]:
             # A loop condition flips (LoopBlind, PlantDegraded): status needs the reconcile.
-            await self._reconcile(self.rec.reconcile_by_name, ns, name, logger)
+            await self._call(self.rec.reconcile_by_name, ns, name, logger, pool=self._reconciles)
         elif was != now_in and not already_running(was[0], now_in[0], replicas):
             # New settings or replicas for the children. The timer's check reconciles the
             # same decisions once it sees them in status: whichever runs second skips, as
             # the children already carry them (two full reconciles per decision before).
             resync = {**body, "status": after}
-            await self._reconcile(self.rec.resync_by_name, ns, name, resync, logger)
+            await self._call(
+                self.rec.resync_by_name, ns, name, resync, logger, pool=self._reconciles
+            )

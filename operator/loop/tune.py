@@ -81,29 +81,28 @@ def decide_tuning(
     """This turn's decision and the tuner's state after it."""
     settings = state.settings or in_force
     state = replace(state, model=state.model.ingest(view.latest, now))
-    state = _overload_memory(view, spec, state, settings, now, limits)
+    window = view.service
+    fit = state.model.fit()
+    ready = fit is not None and state.model.demand.ready and bool(window and window.replicas)
+    p = _plan(state, spec, settings, window) if ready else None  # the turn's one plan
+    state = _overload_memory(view, spec, state, settings, p, now, limits)
     if state.experiment is not None:
-        if (c := _emergency(view, spec, state, settings, now, limits)) is not None:
+        if (c := _emergency(view, spec, state, settings, p, limits)) is not None:
             e = state.experiment
             c = replace(c, reason=f"{c.reason} (the test of {e.kind} was abandoned)")
             return _apply(replace(state, experiment=None), settings, spec, c, now, {})
         return _verify(view, spec, state, settings, now)
-    window = view.service
     if window is None or window.replicas == 0:
         return _hold(state, settings, "no metrics", now)
-    fit = state.model.fit()
-    ready = fit is not None and state.model.demand.ready
     if window.span_seconds < limits.min_window_seconds:
         # A queue with every slot busy needs no long look: its raise is the safe direction,
         # and each turn it waits adds to a backlog every later request pays for. (The plan
         # still bounds it: a window just after a change is short, not a model unready.)
-        p = _plan(state, spec, settings, window) if ready else None
         if c := guard.queue(_recent(view), view.replicas, settings, spec, state.model, p, limits):
             return _apply(state, settings, spec, c, now, {})
         return _hold(
             state, settings, f"observing: {window.span_seconds:.0f} s of metrics so far", now
         )
-    p = _plan(state, spec, settings, window) if ready else None
     inputs = inputs_of(window, view.replicas, settings, state, p)
     m, replicas = state.model, view.replicas
     thrash = guard.thrash(window, replicas, settings, spec, limits, p)
@@ -142,15 +141,14 @@ def _latency(window, settings, spec, state: TunerState, fit, p, now, limits):
     return None, f"{why} ({latency.reason})"
 
 
-def _overload_memory(view: View, spec, state: TunerState, settings, now, limits) -> TunerState:
+def _overload_memory(view: View, spec, state: TunerState, settings, p: Plan | None, now,
+                     limits) -> TunerState:  # fmt: skip
     """The overload raise's memory after this turn (guardrails.overload_after): kept while
-    the model can judge it (a fitted model, a demand, a window to read the KV cache from)."""
+    the model can judge it (a plan: a fitted model, a demand, a window to read the KV cache
+    from)."""
+    if state.overload is None or p is None:
+        return state
     w = view.service
-    if state.overload is None or w is None or w.replicas == 0:
-        return state
-    if state.model.fit() is None or not state.model.demand.ready:
-        return state
-    p = _plan(state, spec, settings, w)
     o = guard.overload_after(state.overload, w, settings, spec, state.model, p, now, limits)
     return replace(state, overload=o)
 
@@ -162,13 +160,12 @@ def _recent(view: View) -> Window:
     return w if w is not None and w.replicas and w.span_seconds > 0 else view.service
 
 
-def _emergency(view: View, spec, state: TunerState, settings, now, limits) -> Candidate | None:
+def _emergency(view: View, spec, state: TunerState, settings, p: Plan | None,
+               limits) -> Candidate | None:  # fmt: skip
     """A queue or thrash guardrail that will not wait for a test to end."""
     w = view.service
     if w is None or w.replicas == 0 or w.span_seconds < limits.min_window_seconds:
         return None
-    fit = state.model.fit()
-    p = _plan(state, spec, settings, w) if fit is not None and state.model.demand.ready else None
     thrash = guard.thrash(w, view.replicas, settings, spec, limits, p)
     if thrash is not None and thrash.kind == "fp8":
         return thrash
