@@ -170,10 +170,12 @@ def _register_inference_services(
         await timer.tick(plain(body), logger)
 
     # The activator's wake request runs a loop turn at once, not at the next timer tick: a
-    # request is waiting on it.
-    @kopf.on.field(**mine, id="wake", field=("metadata", "annotations", WAKE_ANNOTATION))
-    async def wake(body: kopf.Body, new: Any, logger: Any, **_: Any) -> None:
-        if new:
+    # request is waiting on it. A watch-event handler, not a field handler: kopf leaves the
+    # annotations under its own storage's prefix (batchpilot.dev/) out of what it diffs, so
+    # a field handler on this one never ran, and every wake waited for the timer.
+    @kopf.on.event(**mine, id="wake", annotations={WAKE_ANNOTATION: kopf.PRESENT})
+    async def wake(type: str | None, body: kopf.Body, logger: Any, **_: Any) -> None:
+        if timer.wake_is_new(plain(body), listed=type is None):
             await timer.tick(plain(body), logger)
 
     _register_adapters(isvc, mine, ours, config, timer)

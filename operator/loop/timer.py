@@ -154,6 +154,7 @@ class LoopTimer:
         self._turns: dict[tuple[str, str], asyncio.Lock] = {}
         self._status = StatusMemory(config.status_interval)
         self._adapter_turns: dict[tuple[str, str], asyncio.Lock] = {}
+        self._wakes: dict[tuple[str, str], float] = {}  # the last wake request seen
         self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="loop-call")
         self._reconciles = ThreadPoolExecutor(RECONCILE_THREADS, thread_name_prefix="loop-rec")
         self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
@@ -213,6 +214,19 @@ class LoopTimer:
         self._turns.pop((namespace, name), None)
         self._status.forget((namespace, name))
         self._adapter_turns.pop((namespace, name), None)
+        self._wakes.pop((namespace, name), None)
+
+    def wake_is_new(self, body: dict, *, listed: bool) -> bool:
+        """Whether the object carries a wake request this process has not seen (a turn for
+        it now). One first seen in the operator's initial listing is only remembered: the
+        timer's first turn reads it, and a restart does not run every woken service's turn
+        at once. Later events (status patches) carry the same request: no turn."""
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        wake_at = wake_requested_at(body)
+        if wake_at is None:
+            return False
+        seen, self._wakes[key] = self._wakes.get(key), wake_at
+        return not listed and wake_at != seen
 
     async def sync_adapters(self, body: dict, logger=log) -> None:
         """One adapter turn: every Ready replica's adapters to the spec's; status.adapters,

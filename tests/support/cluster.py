@@ -211,7 +211,7 @@ def loop_operator(
     liveness: str | None = None,
     urls: list[str] = (),
     activator_service: str | None = None,
-) -> Iterator[None]:
+) -> Iterator[KopfRunner]:
     """The operator with its closed loop, reading `servers` (or `urls`) as the pods."""
     config = OperatorConfig(
         server_image=IMAGE,
@@ -228,7 +228,7 @@ def loop_operator(
     args = ["run", "--standalone", "--verbose", "-n", api.ns]
     with KopfRunner(args, registry=make_registry(config), timeout=60) as runner:
         try:
-            yield
+            yield runner  # its output is complete once the block has exited
         finally:
             _delete_all(api)
     assert runner.exception is None, runner.output
