@@ -153,9 +153,11 @@ def queue(
     model: ModelState, plan: Plan | None, limits: TuneLimits,
 ) -> Candidate | None:  # fmt: skip
     running, waiting = w.per_replica(w.running), w.per_replica(w.waiting)
-    # Two turns in a row; or one, when the queue is already as deep as the batch.
+    # Two turns in a row; or one, when the queue is already as deep as half the batch: then
+    # the window in hand is enough, even the first scrape's (no turn before it, no span),
+    # since each turn waited for adds a loop interval of arrivals to the backlog.
     persistent = len(model.queue) >= 2 and min(model.queue[-2:]) >= limits.min_waiting
-    deep = bool(model.queue) and model.queue[-1] >= 0.5 * s.max_num_seqs
+    deep = waiting >= 0.5 * s.max_num_seqs
     if not (persistent or deep) or waiting < limits.min_waiting:
         return None
     if running < limits.slot_busy_fraction * s.max_num_seqs or worst_thrash(replicas) > 0:

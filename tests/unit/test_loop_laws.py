@@ -339,6 +339,21 @@ def test_the_queue_guardrail_reads_the_last_turn_and_acts_on_the_first_15_second
     assert d.action == "hold" and d.reason.startswith("observing: 15 s")
 
 
+def test_a_deep_queue_raises_on_the_first_scrape_and_a_shallow_one_waits():
+    # One scrape (no span, no turn before it: the model has no queue yet) with every slot
+    # busy and a queue of half the batch: raised at once, a loop interval earlier.
+    first = busy(waiting=6, span=0.0)
+    v = View(service=first, replicas={R0: first}, latest=first)
+    d, st = decide_tuning(v, TUNE, TunerState(settings=AT8), AT8, 1000.0)
+    assert (d.action, d.kind, d.settings) == ("guard", "raise", EngineSettings(16))
+    assert st.model.queue == ()  # nothing learnt from a window with no span
+    # A shallow queue in the first scrape is held: it may be a burst.
+    shallow = busy(waiting=2, span=0.0)
+    v = View(service=shallow, replicas={R0: shallow}, latest=shallow)
+    d, _ = decide_tuning(v, TUNE, TunerState(settings=AT8), AT8, 1000.0)
+    assert d.action == "hold"
+
+
 def test_thrash_lowers_to_what_the_kv_cache_held_at_most_halving():
     # 12 running filled 95 % of the cache: it holds 10 at 85 %.
     thrash = replica(R0, running=12, preemptions=20, kv=0.95, tokens=50, max_num_seqs=16)
