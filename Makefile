@@ -70,8 +70,13 @@ clean:
 # Container images (need a Docker engine). The server tag matches the operator's default
 # server image, so a cluster that loads it (kind load docker-image) needs no --server-image.
 # CUDA server: make image-server DOCKER_BUILD_ARGS="--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126"
+# KERNELS=compile: the C++ CPU kernels prebuilt for named CPU targets in the build stage,
+# against the image's own torch, by a compiler apt-get installs there alone (online builds;
+# kind-tests/images.sh stages kernels compiled on the host instead). KERNELS=staged: only a
+# kernels/ directory already in the build context, else none (torch's paths serve).
+KERNELS ?= compile
 image-server:
-	docker build -f server/Dockerfile $(DOCKER_BUILD_ARGS) -t $(or $(SERVER_IMAGE),ghcr.io/batchpilot/batchpilot-server:$(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' batchpilot/__init__.py)) .
+	docker build -f server/Dockerfile --build-arg KERNELS=$(KERNELS) $(DOCKER_BUILD_ARGS) -t $(or $(SERVER_IMAGE),ghcr.io/batchpilot/batchpilot-server:$(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' batchpilot/__init__.py)) .
 
 image-operator:
 	docker build -f operator/Dockerfile $(DOCKER_BUILD_ARGS) -t $(or $(OPERATOR_IMAGE),ghcr.io/batchpilot/batchpilot-operator:$(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' batchpilot/__init__.py)) .

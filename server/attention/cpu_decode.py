@@ -118,19 +118,19 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 """
 
 
-# -march=native vectorizes the float loops for this CPU, and the reassociation flags let
-# the compiler vectorize the dot products' sums. -fopenmp: without it at::parallel_for
+# -march (native, or a prebuilt target's) vectorizes the float loops, and the
+# reassociation flags let the compiler vectorize the dot products' sums. -fopenmp: without it at::parallel_for
 # runs every (sequence, KV head) task on one thread.
 FAST_SUMS = ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
-CFLAGS = ["-O3", "-march=native", *FAST_SUMS, "-fopenmp"]
+CFLAGS = ("-O3", *FAST_SUMS, "-fopenmp")
+KERNEL = cpu_kernels.Kernel("cpu_decode", SOURCE, "paged_decode", "decode attention", CFLAGS,
+                            ("-fopenmp",))  # fmt: skip
 
 
 @functools.cache
 def load():
     """The compiled module, or None where it cannot be built."""
-    return cpu_kernels.build(
-        "cpu_decode", SOURCE, "paged_decode", "decode attention", CFLAGS, ("-fopenmp",)
-    )
+    return cpu_kernels.build(KERNEL)
 
 
 def paged_decode(q, k_cache, v_cache, tables, lens, block_size: int, scale: float):

@@ -3,12 +3,11 @@
 The kernel does not win everywhere (float32 on an AVX-512 Xeon without AVX512-BF16: 452
 against 417 ms per 40-sequence step), so `choose()` times both paths on the model's
 shapes when an engine starts and keeps the verdict (server/platform/timing_cache.py)
-beside the kernel's build, keyed by everything the verdict depends on; later starts read
-it."""
+in torch's extensions cache, keyed by everything the verdict depends on (the kernel's
+build target included); later starts read it."""
 
 import hashlib
 import logging
-from pathlib import Path
 
 import torch
 
@@ -67,12 +66,14 @@ def verdict_key(shapes: dict) -> str:
     threads it runs on, and the model's attention shapes."""
     build = cpu_decode.SOURCE + " ".join(cpu_decode.CFLAGS)
     code = hashlib.sha256(build.encode()).hexdigest()[:12]
-    return timing_cache.key(code=code, seqs=TIMED_SEQS, context=TIMED_CONTEXT, **shapes)
+    target = getattr(cpu_decode.load(), "batchpilot_target", "native")  # -march of the build
+    return timing_cache.key(code=code, target=target, seqs=TIMED_SEQS, context=TIMED_CONTEXT,
+                            **shapes)  # fmt: skip
 
 
-def verdict_dir() -> Path:
-    """The kernel's build directory (torch's extensions cache, one per CPU-flag set)."""
-    return Path(cpu_decode.load().__file__).parent
+# Not the kernel's own folder: a prebuilt kernel's is in the image, read-only. Called
+# through this name, which tests point at a folder of their own.
+verdict_dir = timing_cache.verdict_dir
 
 
 @torch.inference_mode()

@@ -79,14 +79,15 @@ void lora_bgmv(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor 
 """
 
 # -fassociative-math lets the compiler vectorize the float32 sums (as cpu_norm's).
-CFLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+CFLAGS = ("-O3", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
+KERNEL = cpu_kernels.Kernel("cpu_lora", SOURCE, "lora_bgmv", "LoRA", CFLAGS)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @functools.cache
 def load():
     """The compiled module, or None where it cannot be built."""
-    return cpu_kernels.build("cpu_lora", SOURCE, "lora_bgmv", "LoRA", CFLAGS)
+    return cpu_kernels.build(KERNEL)
 
 
 def usable(dtype: torch.dtype, device: torch.device) -> bool:

@@ -102,7 +102,10 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
 """
 
 # -fopenmp: at::parallel_for splits work across threads only when built with OpenMP.
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# Its only target: AVX-512 with AVX512-BF16 (cpu_kernels.BF16).
+CFLAGS = ("-O3", "-fopenmp")
+KERNEL = cpu_kernels.Kernel("cpu_gemv", SOURCE, "gemv_bf16", "bf16 GEMV", CFLAGS, ("-fopenmp",),
+                            cpu_kernels.BF16)  # fmt: skip
 
 
 @functools.cache
@@ -110,7 +113,7 @@ def load():
     """The compiled module, or None where this CPU lacks AVX512-BF16 or the build fails."""
     if "avx512_bf16" not in cpu_flags():
         return None
-    return cpu_kernels.build("cpu_gemv", SOURCE, "gemv_bf16", "bf16 GEMV", CFLAGS, ("-fopenmp",))
+    return cpu_kernels.build(KERNEL)
 
 
 def fits(linear: nn.Linear) -> bool:

@@ -13,8 +13,6 @@ dense: when tied, the embedding lookup reads the same tensor. bfloat16 models go
 cpu_gemv's kernel instead, where it builds (the runner asks it first)."""
 
 import logging
-import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -104,16 +102,8 @@ def verdict_key(shapes: list, dtype: torch.dtype) -> str:
                         rows=TIMED_ROWS, packed_rows=PACKED_ROWS)  # fmt: skip
 
 
-def verdict_dir() -> Path:
-    """torch's extensions cache, where the decode-attention verdicts live too (the
-    operator points $TORCH_EXTENSIONS_DIR at a writable volume)."""
-    if env := os.environ.get("TORCH_EXTENSIONS_DIR"):
-        return Path(env)
-    # Imported here: cpp_extension pulls in setuptools, a tenth of a second of every
-    # server's start-up (more under load) that only a kernel build or this lookup needs.
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return Path(get_default_build_root())
+# Called through this name, which tests point at a folder of their own.
+verdict_dir = timing_cache.verdict_dir
 
 
 @torch.inference_mode()

@@ -71,13 +71,14 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
 # -fassociative-math lets the compiler vectorize the squares' sum. One thread: a step's
 # rows are microseconds of work, less than waking a second thread costs, and on a shared
 # machine every parallel region waits for its slowest thread.
-CFLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+CFLAGS = ("-O3", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
+KERNEL = cpu_kernels.Kernel("cpu_norm", SOURCE, "add_rms_norm", "RMSNorm", CFLAGS)
 
 
 @functools.cache
 def load():
     """The compiled module, or None where it cannot be built."""
-    return cpu_kernels.build("cpu_norm", SOURCE, "add_rms_norm", "RMSNorm", CFLAGS)
+    return cpu_kernels.build(KERNEL)
 
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -76,15 +76,16 @@ void rope_and_cache(torch::Tensor qk, torch::Tensor v, torch::Tensor cos, torch:
 
 # -ffp-contract=off: GCC would otherwise fuse float32's a + b products into an FMA and round
 # differently from torch's separate multiply and add.
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
+KERNEL = cpu_kernels.Kernel("cpu_rope", SOURCE, "rope_and_cache", "rotary + KV write", CFLAGS,
+                           ("-fopenmp",))  # fmt: skip
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @functools.cache
 def load():
     """The compiled module, or None where it cannot be built."""
-    return cpu_kernels.build("cpu_rope", SOURCE, "rope_and_cache", "rotary + KV write", CFLAGS,
-                             ("-fopenmp",))  # fmt: skip
+    return cpu_kernels.build(KERNEL)
 
 
 def usable(qk: torch.Tensor, kv: KVCache, meta) -> bool:

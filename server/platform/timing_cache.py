@@ -34,6 +34,19 @@ def key(**parts) -> str:
     return json.dumps(machine | parts, sort_keys=True)
 
 
+def verdict_dir() -> Path:
+    """Where verdicts are kept: torch's extensions cache (the operator points
+    $TORCH_EXTENSIONS_DIR at a writable volume; a prebuilt kernel's own folder is in the
+    image, read-only)."""
+    if env := os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(env)
+    # Imported here: cpp_extension pulls in setuptools, a tenth of a second of every
+    # server's start-up (more under load) that only a kernel build or this lookup needs.
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root())
+
+
 def path_for(directory: Path, kind: str, key: str) -> Path:
     return directory / f"{kind}-verdict-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 

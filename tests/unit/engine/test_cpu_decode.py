@@ -178,3 +178,20 @@ def test_the_kernel_keeps_greedy_equal_to_transformers_in_mixed_steps(tiny_model
     assert llm.engine.runner.attention_backend == "cpu_kernel"
     for out in outs:
         assert out.outputs[0].token_ids == hf_greedy(out.prompt_token_ids, 8)
+
+
+def test_verdicts_live_in_the_extensions_cache_keyed_by_the_kernels_build_target(
+    monkeypatch, tmp_path
+):
+    # A prebuilt kernel's folder is in the image, read-only: verdicts go to the writable
+    # $TORCH_EXTENSIONS_DIR the operator mounts, whichever build was loaded.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert cpu_decode_choice.verdict_dir() == tmp_path
+    shapes = dict(num_heads=9, num_kv_heads=3, head_dim=64, dtype="float32", block_size=16)
+    keys = set()
+    for target in ("x86-64-v3", "x86-64-v4", "native"):
+        monkeypatch.setattr(
+            cpu_decode, "load", lambda t=target: SimpleNamespace(batchpilot_target=t)
+        )
+        keys.add(cpu_decode_choice.verdict_key(shapes))
+    assert len(keys) == 3  # an AVX2 build's timing is not an AVX-512 build's
