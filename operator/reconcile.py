@@ -14,14 +14,15 @@ import logging
 import secrets
 import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import kopf
 
-from batchpilot.operator import drift, ownership, status
+from batchpilot.operator import drift, ownership, stale, status
 from batchpilot.operator.api_errors import permanent_problem
-from batchpilot.operator.children.build import build_children, stale_kinds
+from batchpilot.operator.children.build import build_children
 from batchpilot.operator.children.meta import Owner
-from batchpilot.operator.children.picker import PICKER_KINDS, owned_selector, picker_name
+from batchpilot.operator.children.picker import picker_name
 from batchpilot.operator.children.plan import desired_replicas
 from batchpilot.operator.children.secret import admin_token
 from batchpilot.operator.children.service import (
@@ -44,6 +45,7 @@ from batchpilot.operator.spec_checks import check_spec
 from batchpilot.operator.status import CacheState, Problem
 
 log = logging.getLogger("batchpilot.operator")
+READ_THREADS = 16  # the children's reads of the builds in flight (kopf runs 16 at once)
 
 
 def _key(child: dict) -> tuple[str, str]:
@@ -91,6 +93,12 @@ class Reconciler:
         # now: a Deployment event that crosses "no replica Ready" switches it.
         self._to_activator: dict[tuple[str, str], bool] = {}
         self._resyncs = Resyncs(config.resync_interval)
+        # The loop state of the last good reconcile, and a later one found to build the
+        # same children (resync_by_name then skips without building them again).
+        self._good_loops: dict[tuple[str, str], tuple[LoopState, LoopState | None]] = {}
+        # A build's ownership checks read its children at once, not one after another: at
+        # 1,000 services a first build waited on a loaded API server for each in turn.
+        self._reads = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="child-read")
         self._deployments = Deployments()
 
     @property
@@ -124,18 +132,44 @@ class Reconciler:
 
     def resync_by_name(self, namespace: str, name: str, body: dict, logger=log) -> None:
         """The timer's check: a full reconcile unless the last one found nothing wrong, was
-        of this generation and loop state, and is not resync_interval old yet. Edits, and
-        drift in the watched children, are reconciled at once on their watch events."""
+        of this generation and loop state (or of one that builds the same children), and
+        is not resync_interval old yet. Edits, and drift in the watched children, are
+        reconciled at once on their watch events."""
         key = (namespace, name)
         generation = body["metadata"].get("generation", 1)
         loops = LoopState.from_status(body.get("status"))
         # A Service at the activator follows the activator's pods, which nothing watches.
-        if key in self._to_activator or not self._resyncs.in_sync(key, generation, loops):
+        if key in self._to_activator or not (
+            self._resyncs.in_sync(key, generation, loops) or self._builds_as_applied(body, loops)
+        ):
             self.reconcile_by_name(namespace, name, logger)
+
+    def _builds_as_applied(self, body: dict, loops: LoopState) -> bool:
+        """Only the loop's state moved since the last good reconcile, which is not due yet,
+        and the children built from it are exactly what that reconcile applied: a decision
+        the Deployment already runs (the first turn's, at every service) needs no full
+        reconcile, which re-reads and re-applies every child (13 requests)."""
+        meta = body["metadata"]
+        key = (meta["namespace"], meta["name"])
+        applied, same = self._good_loops.get(key, (None, None))
+        if applied is None or not self._resyncs.in_sync(key, meta.get("generation", 1), applied):
+            return False
+        if loops == same:
+            return True
+        try:
+            spec = parse_spec(body.get("spec"))
+        except SpecError:
+            return False
+        children = self._children(Owner.from_body(body), spec, loops, None)
+        if any(self._desired.get((key[0], *_key(c))) != c for c in children):
+            return False
+        self._good_loops[key] = (applied, loops)
+        return True
 
     def _forget(self, namespace: str, name: str) -> None:
         """Drop what is remembered about a deleted InferenceService's children."""
         self._resyncs.forget((namespace, name))
+        self._good_loops.pop((namespace, name), None)
         self._deployments.forget((namespace, name))
         self._applied_generation.pop((namespace, name), None)
         self._to_activator.pop((namespace, name), None)
@@ -174,6 +208,7 @@ class Reconciler:
         self._write_status(body, prev, new, problem is None and not waiting, logger)
         if problem is None and not waiting:
             self._resyncs.good((ns, name), generation, LoopState.from_status(prev))
+            self._good_loops[(ns, name)] = (LoopState.from_status(prev), None)
 
     def _cache(
         self, owner: Owner, spec: InferenceServiceSpec
@@ -191,20 +226,13 @@ class Reconciler:
         """Write every child; (the live Deployment, None), or (None, the problem) when an
         object of a child's name is someone else's or the API server refuses them for good."""
         activator = self._activator_route(owner, spec, prev)
-        children = build_children(
-            owner,
-            spec,
-            image=spec.image or self.config.server_image,
-            admin_token=self.admin_token(owner),
-            loops=LoopState.from_status(prev),
-            activator=activator,
-        )
+        children = self._children(owner, spec, LoopState.from_status(prev), activator)
         (secret,) = [c for c in children if c["kind"] == "Secret"]
         others = [c for c in children if c["kind"] != "Secret"]
         try:
             # By kind and name: the endpoint picker's Deployment, Service and ConfigMap
             # stand beside the server's.
-            found = {_key(c): self._read(c) for c in others}
+            found = dict(zip(map(_key, others), self._reads.map(self._read, others), strict=True))
             conflicts = [
                 why for c in others if (why := ownership.conflict(c["kind"], found[_key(c)], owner))
             ]
@@ -218,8 +246,9 @@ class Reconciler:
             self._write(deployment, found[serving], owner, logger, dry_run=True)
             self._create_secret(secret)
             written = {_key(c): self._write(c, found[_key(c)], owner, logger) for c in others}
-            self._delete_stale(owner, spec, to_activator=activator is not None)
-            self._delete_stale_picker(owner, others)
+            if not stale.first_build(prev, found):
+                stale.delete_stale(self.kube, owner, spec, to_activator=activator is not None)
+                stale.delete_stale_picker(self.kube, owner, others)
         except ApiException as e:
             if (problem := permanent_problem(e)) is None:
                 raise  # transient: kopf retries with backoff
@@ -234,6 +263,15 @@ class Reconciler:
         self._deployments.seen((owner.namespace, owner.name), None, live)
         self._applied_generation[(owner.namespace, owner.name)] = live["metadata"]["generation"]
         return live, None
+
+    def _children(
+        self, owner: Owner, spec: InferenceServiceSpec, loops: LoopState, activator
+    ) -> list[dict]:
+        image = spec.image or self.config.server_image
+        token = self.admin_token(owner)
+        return build_children(
+            owner, spec, image=image, admin_token=token, loops=loops, activator=activator
+        )
 
     def _activator_route(
         self, owner: Owner, spec: InferenceServiceSpec, prev: dict
@@ -267,35 +305,6 @@ class Reconciler:
         except ApiException as e:
             if e.status != 409:
                 raise
-
-    def _delete_stale(self, owner: Owner, spec: InferenceServiceSpec, *, to_activator: bool):
-        """Delete the optional children not asked for now: only this object's own, exactly
-        as found (an object of that name made by someone else stays)."""
-        for api_version, kind in stale_kinds(spec, to_activator=to_activator):
-            if not self.kube.serves(api_version, kind):
-                continue
-            live = self.kube.read(api_version, kind, owner.namespace, owner.name)
-            if live is not None and ownership.controlled_by(live, owner):
-                preconditions = ownership.delete_preconditions(live)
-                self.kube.delete(api_version, kind, owner.namespace, owner.name, preconditions)
-
-    def _delete_stale_picker(self, owner: Owner, children: list[dict]) -> None:
-        """Delete the endpoint picker's objects not built now (turned off, or renamed): only
-        this object's own. Its Deployment is deleted last, so other stale objects are left
-        only beside a stale Deployment: one list answers for a service with nothing stale
-        (one whose stale Deployment someone else deleted keeps the rest until it goes)."""
-        wanted = {_key(c) for c in children}
-        selector = owned_selector(owner)
-        deployments = self.kube.list("apps/v1", "Deployment", owner.namespace, selector)
-        if all(("Deployment", d["metadata"]["name"]) in wanted for d in deployments):
-            return
-        for api_version, kind in PICKER_KINDS:
-            listed = self.kube.list(api_version, kind, owner.namespace, selector)
-            for obj in listed:
-                name = obj["metadata"]["name"]
-                if (kind, name) not in wanted and ownership.controlled_by(obj, owner):
-                    preconditions = ownership.delete_preconditions(obj)
-                    self.kube.delete(api_version, kind, owner.namespace, name, preconditions)
 
     def _picker(self, owner: Owner, spec: InferenceServiceSpec | None) -> dict | None:
         """The deployed endpoint picker's Deployment, when the spec asks for one and it is

@@ -13,6 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import urllib3
 from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,6 +25,7 @@ from tests.support.cluster import Api, install_crds, stop_process
 LIST_TIMEOUT = 120  # a LIST of 1,000 services on a loaded 2-core machine
 POLL_SECONDS = 5.0  # a third of the loop interval: no turn of a service goes unseen
 LOOP_ROUNDS = "batchpilot_operator_loop_rounds_total"
+API_REQUESTS = "batchpilot_operator_api_requests_total"
 # When each service's latest turn ran: status.metrics.time only moves when the figures are
 # written (every --status-interval), so the turns are read from the operator's /metrics.
 LAST_ROUND = "batchpilot_operator_loop_last_round_timestamp_seconds"
@@ -41,6 +43,9 @@ class Plan:
     settle_seconds: float
     ready_timeout: float
     restart_apiserver: bool = False  # the fault: kube-apiserver restarted mid-reconcile
+    # kube-controller-manager's and kube-scheduler's client (QPS, burst); None: their
+    # defaults (20/30, 50/100), which bound the pods' creation at 1,000 services.
+    client_qps: tuple[float, int] | None = None
 
 
 def service_spec(replicas: int) -> dict:
@@ -78,7 +83,9 @@ class Point:
 
     def run(self) -> dict:
         k8s_cluster.SERVICE_CIDR = SERVICE_CIDR  # read by start_cluster when it runs
-        cluster = k8s_cluster.start_cluster(workdir=tempfile.mkdtemp(prefix="bp-scale-"))
+        cluster = k8s_cluster.start_cluster(
+            workdir=tempfile.mkdtemp(prefix="bp-scale-"), client_qps=self.plan.client_qps
+        )
         try:
             return self._on(cluster)
         finally:
@@ -131,6 +138,9 @@ class Point:
 
     def _measure(self, cluster, pid: int) -> dict:
         plan = self.plan
+        requests0 = measure.request_counts(apiserver_metrics(cluster))
+        ops0 = operator_requests(processes.http_text(self.operator_metrics))
+        lists0 = self.own_lists
         cpu0, t0 = measure.cpu_seconds(pid), time.monotonic()
         self.created_at = time.time()
         for i in range(plan.services):
@@ -141,6 +151,20 @@ class Point:
             fault.inject(plan.services)
         ready_s, peak_rss, times = self._wait_ready(pid, t0)
         reconcile_cpu = (measure.cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
+        # Every client's requests until all were Ready (kube-controller-manager's pod
+        # creates among them), and the operator's own by verb: where the time goes.
+        reconciling: dict = {}
+        with contextlib.suppress(OSError):  # a figure to explain the time, not to fail on
+            after = measure.request_counts(apiserver_metrics(cluster))
+            delta = measure.request_delta(requests0, after)
+            delta = measure.without(delta, {("LIST", PLURAL, ""): self.own_lists - lists0})
+            ops = operator_requests(processes.http_text(self.operator_metrics))
+            reconciling = {
+                "api_requests_while_reconciling": measure.per_minute_by_request(delta, 60.0),
+                "operator_api_requests_while_reconciling": {
+                    k: v - ops0.get(k, 0) for k, v in sorted(ops.items()) if v - ops0.get(k, 0)
+                },
+            }
         time.sleep(plan.settle_seconds)
         steady = self._steady(cluster, pid, times)
         if fault is not None:
@@ -158,6 +182,8 @@ class Point:
             "operator_peak_rss_mib_while_reconciling": round(peak_rss, 1),
             "own_list_failures_while_reconciling": self.list_failures,
             "settle_s": plan.settle_seconds,
+            "control_plane_client_qps": control_plane_qps(plan.client_qps),
+            **reconciling,
             **steady,
         }
 
@@ -183,6 +209,11 @@ class Point:
                 # A loaded API server times our LIST out (a 504 after its 60 s): ask again.
                 if e.status is None or e.status < 500:
                     raise
+                self.list_failures += 1
+                continue
+            except (urllib3.exceptions.HTTPError, OSError):
+                # A loaded API server cut a 1,000-object answer short (IncompleteRead, seen
+                # at load 12): ask again, as for a 5xx.
                 self.list_failures += 1
                 continue
             peak = max(peak, measure.rss_mib(pid))
@@ -239,6 +270,28 @@ class Point:
                 measure.percentile(turns_per_min, 50), 2
             ) if turns_per_min else None,
         }  # fmt: skip
+
+
+def control_plane_qps(client_qps: tuple[float, int] | None) -> dict:
+    """kube-controller-manager's and kube-scheduler's client limits, as the point ran."""
+    if client_qps is None:
+        return {"setting": "default", "kube-controller-manager": {"qps": 20, "burst": 30},
+                "kube-scheduler": {"qps": 50, "burst": 100}}  # fmt: skip
+    qps, burst = client_qps
+    raised = {"qps": qps, "burst": burst}
+    return {"setting": "raised", "kube-controller-manager": raised, "kube-scheduler": raised}
+
+
+def operator_requests(metrics_text: str) -> dict[str, float]:
+    """The operator's own API requests (batchpilot_operator_api_requests_total), by
+    "verb code"."""
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == API_REQUESTS:
+                key = " ".join(sample.labels.get(k, "") for k in ("verb", "code"))
+                counts[key] = counts.get(key, 0) + sample.value
+    return counts
 
 
 def record_turns(metrics_text: str, times: dict[str, set[float]]) -> None:

@@ -555,10 +555,13 @@ def start_cluster(
     gpus_per_node: int = 8,
     keep: bool = False,
     timeout: float = 90,
+    client_qps: tuple[float, int] | None = None,
 ) -> Cluster:
     """Start etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok on loopback,
     register `nodes` fake GPU nodes, and wait until they are Ready. Raises BinariesMissing if
-    `make k8s-bins` has not run, ClusterError (with the failing component's log) otherwise."""
+    `make k8s-bins` has not run, ClusterError (with the failing component's log) otherwise.
+    ``client_qps``: (QPS, burst) of kube-controller-manager's and kube-scheduler's clients
+    (--kube-api-qps, --kube-api-burst); None keeps their defaults (20/30 and 50/100)."""
     bins = find_binaries()
     wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="batchpilot-k8s-"))
     wd.mkdir(parents=True, exist_ok=True)
@@ -660,6 +663,9 @@ def start_cluster(
         )
 
         common = [f"--kubeconfig={kubeconfig}", "--leader-elect=false", "--bind-address=127.0.0.1"]
+        if client_qps is not None:
+            qps, burst = client_qps
+            common += [f"--kube-api-qps={qps:g}", f"--kube-api-burst={burst}"]
         kcm = comp(
             "kube-controller-manager",
             *common,

@@ -189,6 +189,36 @@ def test_the_timers_resync_reads_nothing_while_a_healthy_service_is_in_sync(rec)
     assert kube.objects[("Deployment", NS, "chat")]["spec"]["replicas"] == 3
 
 
+def test_a_loop_decision_the_deployment_already_runs_needs_no_full_reconcile(rec):
+    """The first turn of every service decides the replicas already running: the timer's
+    check builds the children from it, finds them as applied, and asks nothing (a full
+    reconcile is 13 requests, at 1,000 services made at once). A decision that changes a
+    child is applied; a due resync is a full one whatever the loop decided."""
+    kube = rec.kube
+    spec = {"replicas": 3, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 5}}
+    rec.reconcile(kube.add_isvc("chat", spec))
+    kube.patch_isvc_status(NS, "chat", {"autoscaling": {"desiredReplicas": 3}})  # what runs
+    kube.calls.clear()
+    rec.resync_by_name(NS, "chat", kube.read_isvc(NS, "chat"))
+    rec.resync_by_name(NS, "chat", kube.read_isvc(NS, "chat"))  # remembered: not built again
+    assert kube.calls == []
+    kube.patch_isvc_status(NS, "chat", {"autoscaling": {"desiredReplicas": 4}})
+    rec.resync_by_name(NS, "chat", kube.read_isvc(NS, "chat"))
+    assert kube.objects[("Deployment", NS, "chat")]["spec"]["replicas"] == 4
+
+
+def test_a_due_resync_is_full_even_when_the_loop_decided_what_runs():
+    kube = FakeKube()
+    config = OperatorConfig(server_image="img:1", admin_key=ADMIN_KEY, resync_interval=1e-6)
+    rec_ = Reconciler(config, kube=kube)
+    spec = {"replicas": 3, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 5}}
+    rec_.reconcile(kube.add_isvc("chat", spec))
+    kube.patch_isvc_status(NS, "chat", {"autoscaling": {"desiredReplicas": 3}})
+    kube.calls.clear()
+    rec_.resync_by_name(NS, "chat", kube.read_isvc(NS, "chat"))
+    assert ("read", "Deployment", "chat") in kube.calls
+
+
 def test_a_degraded_service_is_reconciled_at_every_check(rec):
     kube = rec.kube
     spec = {"model": {"source": "pvc://weights/smol"}}
