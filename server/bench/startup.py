@@ -73,7 +73,10 @@ def one_start(serve_args: list[str], timeout_s: float, pythonpath: str | None = 
     with tempfile.TemporaryFile("w+") as log:  # a pipe nobody reads would stall the server
         started = time.monotonic()
         # In the baseline's folder: `python -c` puts the working directory first on the path.
-        env = None if pythonpath is None else {**os.environ, "PYTHONPATH": pythonpath}
+        env = None if pythonpath is None else {**os.environ, "PYTHONPATH": pythonpath,
+            # Its kernels cached apart: under the same names with other flags, torch would
+            # rebuild them at every other start (a minute each, in "allocating the KV cache").
+            "TORCH_EXTENSIONS_DIR": os.path.join(pythonpath, ".torch_extensions")}  # fmt: skip
         proc = subprocess.Popen([*argv, *serve_args], stdout=log, stderr=subprocess.STDOUT,
                                 env=env, cwd=pythonpath)  # fmt: skip
         try:
