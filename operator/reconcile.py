@@ -93,9 +93,6 @@ class Reconciler:
         # now: a Deployment event that crosses "no replica Ready" switches it.
         self._to_activator: dict[tuple[str, str], bool] = {}
         self._resyncs = Resyncs(config.resync_interval)
-        # The loop state of the last good reconcile, and a later one found to build the
-        # same children (resync_by_name then skips without building them again).
-        self._good_loops: dict[tuple[str, str], tuple[LoopState, LoopState | None]] = {}
         # A build's ownership checks read its children at once, not one after another: at
         # 1,000 services a first build waited on a loaded API server for each in turn.
         self._reads = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="child-read")
@@ -151,11 +148,8 @@ class Reconciler:
         reconcile, which re-reads and re-applies every child (13 requests)."""
         meta = body["metadata"]
         key = (meta["namespace"], meta["name"])
-        applied, same = self._good_loops.get(key, (None, None))
-        if applied is None or not self._resyncs.in_sync(key, meta.get("generation", 1), applied):
+        if not self._resyncs.current(key, meta.get("generation", 1)):
             return False
-        if loops == same:
-            return True
         try:
             spec = parse_spec(body.get("spec"))
         except SpecError:
@@ -163,13 +157,12 @@ class Reconciler:
         children = self._children(Owner.from_body(body), spec, loops, None)
         if any(self._desired.get((key[0], *_key(c))) != c for c in children):
             return False
-        self._good_loops[key] = (applied, loops)
+        self._resyncs.same_children(key, loops)  # remembered: not built again
         return True
 
     def _forget(self, namespace: str, name: str) -> None:
         """Drop what is remembered about a deleted InferenceService's children."""
         self._resyncs.forget((namespace, name))
-        self._good_loops.pop((namespace, name), None)
         self._deployments.forget((namespace, name))
         self._applied_generation.pop((namespace, name), None)
         self._to_activator.pop((namespace, name), None)
@@ -208,7 +201,6 @@ class Reconciler:
         self._write_status(body, prev, new, problem is None and not waiting, logger)
         if problem is None and not waiting:
             self._resyncs.good((ns, name), generation, LoopState.from_status(prev))
-            self._good_loops[(ns, name)] = (LoopState.from_status(prev), None)
 
     def _cache(
         self, owner: Owner, spec: InferenceServiceSpec

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from batchpilot.operator.loop.state import LoopState
 
@@ -27,6 +27,8 @@ class _Synced:
     generation: int
     loops: LoopState
     at: float  # monotonic
+    # A later loop state found to build the very children this reconcile applied.
+    same: LoopState | None = None
 
 
 class Resyncs:
@@ -46,11 +48,22 @@ class Resyncs:
     def in_sync(self, key: Key, generation: int, loops: LoopState) -> bool:
         """Nothing a full reconcile reads can have changed, and none is due yet."""
         synced = self._synced.get(key)
+        return self.current(key, generation) and loops in (synced.loops, synced.same)
+
+    def current(self, key: Key, generation: int) -> bool:
+        """The last full reconcile found nothing wrong, was of this generation, and another
+        is not due yet (whatever the loop decided since)."""
+        synced = self._synced.get(key)
         return (
             synced is not None
-            and (synced.generation, synced.loops) == (generation, loops)
+            and synced.generation == generation
             and self.clock() - synced.at < self.period(key)
         )
+
+    def same_children(self, key: Key, loops: LoopState) -> None:
+        """loops builds the children the last good reconcile applied: in sync as it was."""
+        if (synced := self._synced.get(key)) is not None:
+            self._synced[key] = replace(synced, same=loops)
 
     def period(self, key: Key) -> float:
         """The interval stretched by up to a tenth by a hash of the name: services made
