@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from batchpilot.server.config import ConfigError
 from batchpilot.server.model.bundled import bundled_model_path
+from batchpilot.server.model.plain_tokenizer import open_plain
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 # Near misses, refused with the reason (server/model/llama.py implements none of it).
@@ -85,6 +86,14 @@ def _tokenizer(source: str, gguf_file: str | None):
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     return AutoTokenizer.from_pretrained(source, local_files_only=True, **kwargs)
+
+
+def serving_tokenizer(source: str, gguf_file: str | None):
+    """The tokenizer the server runs: the tokenizers library's own reading of the
+    directory's tokenizer.json where that is exactly what transformers would give
+    (plain_tokenizer.py: 0.9 s less start-up), else transformers' tokenizer."""
+    plain = None if gguf_file else open_plain(Path(source))
+    return plain if plain is not None else _tokenizer(source, gguf_file)
 
 
 def _tokenizer_class(directory: Path) -> str | None:
@@ -216,7 +225,7 @@ def load_model(config, dtype, device, stage) -> LoadedModel:
     hf_config = read_config(source, gguf_file)
     config.resolve(hf_config.max_position_embeddings, device.type)
     check_sliding_window(hf_config, config.max_model_len)
-    tokenizer = _tokenizer(source, gguf_file)
+    tokenizer = serving_tokenizer(source, gguf_file)
     stage(LOAD_STAGES[1])
     weights = None if gguf_file else open_checkpoint(source, hf_config)
     if weights is None:
