@@ -73,9 +73,10 @@ class PlainTokenizer:
 
     def apply_chat_template(self, conversation: list, add_generation_prompt: bool = False,
                             continue_final_message: bool = False, tokenize: bool = True,
-                            **kwargs):  # fmt: skip
+                            return_dict: bool = True, **kwargs):  # fmt: skip
         """transformers' apply_chat_template for one conversation: the text, or (tokenize)
-        {"input_ids": ...} without added special tokens (the template writes them)."""
+        its ids without added special tokens (the template writes them), as
+        {"input_ids": ...} unless not return_dict."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         if not conversation:
@@ -86,7 +87,9 @@ class PlainTokenizer:
                                     add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message,
                                     **(self.special_tokens_map | kwargs))  # fmt: skip
-        return self(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        return self(text, add_special_tokens=False) if return_dict else self.encode(text, False)
 
 
 def open_plain(directory: Path) -> PlainTokenizer | None:

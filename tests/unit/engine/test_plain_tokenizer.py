@@ -91,6 +91,8 @@ def test_chat_prompts_match_transformers(pair, chat, prompt):
         plain.apply_chat_template(chat, **kw)["input_ids"]
         == (auto.apply_chat_template(chat, **kw)["input_ids"])
     )
+    kw["return_dict"] = False
+    assert plain.apply_chat_template(chat, **kw) == auto.apply_chat_template(chat, **kw)
 
 
 def test_continuing_the_final_message_matches_transformers(pair):
