@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from batchpilot.server.config import ConfigError
 from batchpilot.server.model.bundled import bundled_model_path
-from batchpilot.server.model.plain_tokenizer import open_plain
+from batchpilot.server.model.plain_tokenizer import PLAIN_CLASSES, open_plain
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 # Near misses, refused with the reason (server/model/llama.py implements none of it).
@@ -57,9 +57,6 @@ PLAIN_LLAMA_KEYS = (
     "max_position_embeddings", "hidden_act", "tie_word_embeddings", "eos_token_id",
     "rope_parameters",
 )  # fmt: skip
-# Tokenizers AutoTokenizer resolves to the tokenizers-backed class itself, which loads
-# without the config (AutoTokenizer reads it, and so imports its class, first).
-PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def plain_config(source: str, gguf_file: str | None) -> SimpleNamespace | None:
@@ -78,7 +75,9 @@ def plain_config(source: str, gguf_file: str | None) -> SimpleNamespace | None:
 
 
 def _tokenizer(source: str, gguf_file: str | None):
-    if not gguf_file and _tokenizer_class(Path(source)) in PLAIN_TOKENIZER_CLASSES:
+    # The tokenizers-backed class AutoTokenizer would resolve to loads without the config
+    # (AutoTokenizer reads it, and so imports its class, first).
+    if not gguf_file and _tokenizer_class(Path(source)) in PLAIN_CLASSES:
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(source, local_files_only=True)
