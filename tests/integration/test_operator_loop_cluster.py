@@ -56,16 +56,18 @@ def replica_sets(api: Api, name: str) -> list[int]:
 def test_raise_and_scale_up_reach_the_servers_the_deployment_and_status(
     api, k8s, tiny_path, tmp_path
 ):
-    """A slot-bound server (max_num_seqs 2, a queue of 6, KV mostly free): the queue
+    """A slot-bound server (max_num_seqs 2, a queue of 8, KV mostly free): the queue
     guardrail raises max_num_seqs at once, live on the server and in the ConfigMap without
     rolling the pods,
     and the autoscaler adds replicas to the Deployment; Events, status, the printer column
-    and the operator's own metrics all show it."""
+    and the operator's own metrics all show it. The tuning range stops at 4, so the load
+    (10 clients) still queues at the raised setting (10 / (4 + 1) = 2 replicas): the
+    scale-up does not depend on which decision lands first."""
     srv = server(tiny_path, tmp_path, "--max-num-seqs", "2")
     liveness = f"http://127.0.0.1:{free_port()}/healthz"
     spec = {
         "engine": {"maxNumSeqs": 2},
-        "tuning": {"enabled": True, "maxNumSeqs": {"min": 2, "max": 16}, "cooldownSeconds": 0,
+        "tuning": {"enabled": True, "maxNumSeqs": {"min": 2, "max": 4}, "cooldownSeconds": 0,
                    "targetInterTokenLatencySeconds": 60},
         "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3,
                         "targetQueueLength": 1, "scaleUpStabilizationSeconds": 1},
@@ -76,7 +78,7 @@ def test_raise_and_scale_up_reach_the_servers_the_deployment_and_status(
             start(srv, api, "chat")
             wait_for("Ready", lambda: api.ready("chat"), timeout=LOOP_TIMEOUT, not_yet=not_found)
             assert replica_sets(api, "chat") == [1]
-            with load(srv, workers=8, max_tokens=48):
+            with load(srv, workers=10, max_tokens=48):
                 raised_entry = wait_for(
                     "a guardrail raise of max_num_seqs",
                     lambda: next((h for h in history(api, "chat") if h["kind"] == "raise"), None),
