@@ -243,6 +243,15 @@ def _candidate(p: Plan, state, spec, s: EngineSettings, view: View, limits) -> C
         return c
     m = state.model
     new = planned_move(p, m.fit(), m.per_replica(), spec.itl_target_seconds, s.max_num_seqs)
+    kv_holds = p.kv_cap is None or p.kv_cap >= s.max_num_seqs
+    if new is not None and new < s.max_num_seqs and kv_holds:
+        # A lower for latency: a smaller step budget first, when the twin's mean model
+        # prefers one. It shortens the steps long prompts stretch without cutting how many
+        # requests run, and either move is a tested trial, so the mean verdict suffices.
+        budget = _budget(state, spec, s, confirm=False)
+        if budget is not None and budget.kind == "lower_budget":
+            why = f"{budget.reason} (before max_num_seqs {s.max_num_seqs} -> {new})"
+            return replace(budget, reason=why)
     if new is not None and new != s.max_num_seqs:
         kind = "raise" if new > s.max_num_seqs else "lower"
         why = f"planned: max_num_seqs {s.max_num_seqs} -> {new}; {p.why}"
@@ -250,7 +259,7 @@ def _candidate(p: Plan, state, spec, s: EngineSettings, view: View, limits) -> C
     return _budget(state, spec, s)
 
 
-def _budget(state: TunerState, spec, s: EngineSettings) -> Candidate | None:
+def _budget(state: TunerState, spec, s: EngineSettings, confirm: bool = True) -> Candidate | None:
     """The step budget the twin predicts best, when the spec lets the tuner move it."""
     bounds, today = spec.tuning.max_num_batched_tokens, s.max_num_batched_tokens
     if bounds is None or today is None:
@@ -258,7 +267,7 @@ def _budget(state: TunerState, spec, s: EngineSettings) -> Candidate | None:
     m = state.model
     choice = choose_budget(
         m.fit(), m.per_replica(), s.max_num_seqs, today, budget_candidates(bounds.min, bounds.max, s.max_num_seqs),
-        spec.ttft_target_seconds, spec.itl_target_seconds,
+        spec.ttft_target_seconds, spec.itl_target_seconds, confirm=confirm,
     )  # fmt: skip
     if choice.budget is None:
         return None

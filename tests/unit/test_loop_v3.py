@@ -19,7 +19,7 @@ import pytest
 
 from batchpilot.operator.crd.spec import parse_spec
 from batchpilot.operator.kube import finite
-from batchpilot.operator.loop import verify
+from batchpilot.operator.loop import tune, verify
 from batchpilot.operator.loop.changes import Cusum
 from batchpilot.operator.loop.demand import Demand
 from batchpilot.operator.loop.guardrails import TuneLimits, overload_after
@@ -42,6 +42,7 @@ from batchpilot.operator.loop.plant import HALF_LIFE_SECONDS, MIN_STEPS, StepMod
 from batchpilot.operator.loop.state import TunerState
 from batchpilot.operator.loop.tune import View, decide_tuning
 from batchpilot.operator.loop.tuner_state import EngineSettings, OverloadRaise, Score, Tally
+from batchpilot.operator.loop.twin import choose_budget
 from tests.support.loop import (
     BETA,
     DEMAND,
@@ -360,6 +361,61 @@ def test_capacity_and_the_replicas_it_asks_for():
     assert 0 < capacity_at(fit, DEMAND, TARGET, 4, BOUNDS) < at_cap
     assert replicas_for(3.0, 1.0) == 4  # sized to 80 % of capacity
     assert replicas_for(0.1, 1.0) == 1 and replicas_for(3.0, 0.0) is None
+
+
+# A GPU-like plant (6.5 ms a step, 35 us a prefill token) under long prompts and short
+# answers, 10 requests/s: a step that takes a whole 2048-token prompt stretches every
+# decode in it past the 25 ms target, so the plan lowers max_num_seqs 64 -> 11; prefilling
+# in 512-token chunks keeps the slots instead.
+LONG_PROMPTS = replace(DEMAND, rate=10.0, prompt_mean=1500.0, output_mean=20.0,
+                       prompt_p95=3000.0, output_p95=40.0)  # fmt: skip
+GPU_BETA = (0.0065, 0.00003, 0.00005, 0.0035)
+CHUNKED_SPEC = parse_spec(
+    {
+        "engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 2048},
+        "slo": {"interTokenLatencySeconds": 0.025, "timeToFirstTokenSeconds": 1.0},
+        "tuning": {"enabled": True, "maxNumSeqs": {"min": 4, "max": 64},
+                   "maxNumBatchedTokens": {"min": 512, "max": 2048}},
+    }
+)  # fmt: skip
+
+
+def long_prompt_candidate(kv_blocks: int | None = None):
+    model = ready_model(batches=(1, 2, 4, 8, 16, 32), beta=GPU_BETA, demand=LONG_PROMPTS)
+    state = TunerState(settings=EngineSettings(64, max_num_batched_tokens=2048), model=model)
+    w = replica(running=64, max_num_seqs=64, budget=2048, kv_blocks=kv_blocks)
+    p = tune._plan(state, CHUNKED_SPEC, state.settings, w)
+    lower = planned_move(p, model.fit(), model.per_replica(), 0.025, 64)
+    c = tune._candidate(p, state, CHUNKED_SPEC, state.settings, View(w, {"r0": w}, w), TuneLimits())
+    return lower, c
+
+
+def test_a_lower_for_latency_tries_a_smaller_step_budget_before_fewer_slots():
+    lower, c = long_prompt_candidate()
+    assert lower is not None and lower < 64  # what the plan alone would do
+    assert (c.kind, c.settings) == ("lower_budget", EngineSettings(64, max_num_batched_tokens=512))
+    assert c.reason.endswith(f"(before max_num_seqs 64 -> {lower})"), c.reason
+
+
+def test_a_lower_for_the_kv_cache_is_not_traded_for_a_smaller_budget():
+    # 1,500-token prompts in 1,000 blocks of 16: the KV cache holds 8 of them, not 64.
+    lower, c = long_prompt_candidate(kv_blocks=1000)
+    assert lower is not None and lower <= 8
+    assert (c.kind, c.settings.max_num_seqs) == ("lower", lower), c.reason
+    assert c.settings.max_num_batched_tokens == 2048
+
+
+def test_the_twin_confirms_a_budget_across_the_models_bounds_unless_told_not_to():
+    # At 12 requests/s the mean step model prefers 512-token chunks, but a plant at the
+    # model's upper bound is near saturation, where small chunks pay the step's fixed cost
+    # too often: confirmed, the twin keeps today's budget; unconfirmed, it moves.
+    fit = ready_model(batches=(1, 2, 4, 8, 16, 32), beta=GPU_BETA).fit()
+    busy = replace(LONG_PROMPTS, rate=12.0, output_mean=40.0, output_p95=80.0)
+    args = (fit, busy, 64, 2048, [512, 1024, 2048], 1.0, 0.03)
+    confirmed, unconfirmed = choose_budget(*args), choose_budget(*args, confirm=False)
+    assert confirmed.budget is None and "not with its upper bound" in confirmed.why
+    assert unconfirmed.budget == 512
+    assert unconfirmed.predicted == confirmed.predicted
 
 
 # --------------------------------------------------------------------------- verify
