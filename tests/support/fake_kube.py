@@ -70,8 +70,6 @@ class FakeKube:
             new["metadata"]["uid"] = old["metadata"]["uid"]
             if "managedFields" in old["metadata"]:  # others' entries stay
                 new["metadata"]["managedFields"] = old["metadata"]["managedFields"]
-            if "status" in old and "status" not in obj:  # a write of the spec keeps status
-                new["status"] = old["status"]
         gen = (old or {}).get("metadata", {}).get("generation", 0)
         changed = old is None or old.get("spec") != obj.get("spec")
         new["metadata"]["generation"] = gen + 1 if changed else gen
