@@ -170,6 +170,11 @@ def events(kind: Kind, namespace: str, reason: str) -> list[dict]:
     ]
 
 
+def model_step(kind: Kind, namespace: str) -> dict:
+    """status.tuning.model.step: what the tuner's step model has counted."""
+    return ((tuning_status(kind, namespace).get("model") or {}).get("step")) or {}
+
+
 def wait_for_lower(kind: Kind, namespace: str, after: str) -> dict:
     """The latency guardrail's lower, within GUARD_TIMEOUT of the end of the last
     PlantDegraded freeze. The latency guardrail waits out a degraded plant (docs/tuning.md):
@@ -278,17 +283,31 @@ def _raised_then_lowered(kind: Kind, namespace: str, url: str, tmp_path: Path, l
                  120, interval=POLL)  # fmt: skip
     except AssertionError as e:
         report(f"{e}\n{dump(tuning_status(kind, namespace))}\n{load_logs(tmp_path)}")
-    # ---- (b) short requests, fewer streams than slots, then a TPOT target no CPU pod meets
+    # ---- (b) short requests, fewer streams than slots, then a TPOT target no CPU pod meets.
+    # The latency guardrail blames the batch only once the model has seen batch sizes at
+    # least 2 apart (a fit of one size is not identified), and the server counts steps in
+    # power-of-two buckets. So the model first counts the queue's batch (at least half the
+    # raised value + 1), then (b) runs one stream under half of it. With 14 streams in (b),
+    # every counted cell of both phases averaged 13.9 in one CI run, and no lower came.
+    try:
+        wait_for(
+            "the model to count steps above half the raised batch",
+            lambda: model_step(kind, namespace).get("maxBatch", 0) >= raised["maxNumSeqs"] / 2 + 1,
+            300,
+            interval=POLL,
+        )
+    except AssertionError as e:
+        report(f"{e}\n{dump(tuning_status(kind, namespace))}\n{load_logs(tmp_path)}")
     stop_load(loads.pop())
-    loads.append(start_load(url, tmp_path, raised["maxNumSeqs"] - 2, output=16))
+    loads.append(start_load(url, tmp_path, raised["maxNumSeqs"] // 2 - 1, output=16))
     patch_spec(kind, namespace, {"slo": {"interTokenLatencySeconds": 0.001}})
     try:
         lowered = wait_for_lower(kind, namespace, after=raised["time"])
     except AssertionError as e:
         report(f"{e}\n{dump(tuning_status(kind, namespace))}\n{load_logs(tmp_path)}")
-    # The load stops at once: at the lowered value its streams outnumber the slots, and the
-    # queue they build would have the queue guardrail raise again (an overload raise is the
-    # intended answer to that), racing the check below that the lower reached the pods.
+    # The load stops at once: a queue it built at the lowered value would have the queue
+    # guardrail raise again (an overload raise is the intended answer to that), racing the
+    # check below that the lower reached the pods.
     stop_load(loads.pop())
     tuning = tuning_status(kind, namespace)
     assert lowered["reason"].startswith("guardrail: latency:"), dump(tuning)
