@@ -142,7 +142,8 @@ def choose_budget(fit: Fit, demand: Demand, mns: int, today: int, candidates: li
     facts = ", ".join(f"{b}: {g:.1f}" for b, g in mean.items())
     if best == today or mean[best] < MARGIN * mean[today]:
         return BudgetChoice(None, mean, f"twin goodput by budget ({facts} tokens/s): keep {today}")
-    for name, step in (("upper", upper), ("lower", fit.lower)) if confirm else ():
+    bounds = (("upper", upper), ("lower", fit.lower)) if confirm else ()
+    for name, step in bounds:
         if score(step, best) < score(step, today):
             why = f"twin: {best} wins with the mean step model ({facts}) but not with its {name} bound"
             return BudgetChoice(None, mean, why)
