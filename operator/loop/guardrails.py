@@ -15,7 +15,8 @@
   fp8 when allowed, else lower to the count the KV cache held, at most halving.
 - Latency: fewer than ``latency_attainment`` of the window's requests met the TPOT target,
   and the model attributes it to the batch (its step at the running batch misses the
-  target), on a healthy plant with no queue (a backlog drains slower after a lower, and
+  target, and at the latency cap its TPOT is at least the planner's MIN_RELIEF less), on a
+  healthy plant with no queue (a backlog drains slower after a lower, and
   the queue guardrail would undo it a turn later): lower to the latency cap, at most
   halving. Not while an overload raise binds (``overload_after``): the raise past the plan
   is remembered, and the lower waits until the overload has been gone (the arrival rate
@@ -34,7 +35,7 @@ from dataclasses import dataclass, replace
 from batchpilot.operator.crd.spec import InferenceServiceSpec
 from batchpilot.operator.loop.model_state import ModelState
 from batchpilot.operator.loop.observe import Window
-from batchpilot.operator.loop.planner import Plan, tpot_lower, tpot_mean
+from batchpilot.operator.loop.planner import Plan, batch_blamed, tpot_lower, tpot_mean
 from batchpilot.operator.loop.plant import Fit
 from batchpilot.operator.loop.tuner_state import EngineSettings, Kind, OverloadRaise, is_fp8
 from batchpilot.operator.loop.verify import share_within
@@ -252,13 +253,19 @@ def latency(
     predicted = tpot_mean(fit, running, demand)
     if tpot_lower(fit, running, demand) <= target:
         return None  # the model is not sure the batch is to blame: the machine, the prompts
+    # The lowers lead to the latency cap: fewer slots must be faster there by the model, or
+    # they cost throughput for no TPOT.
+    cap = max(spec.tuning.max_num_seqs.min, plan.latency_cap)
+    if not batch_blamed(fit, demand, running, cap):
+        return None
     new = max(_floor(s.max_num_seqs, spec, limits), min(s.max_num_seqs - 1, plan.latency_cap))
     if new >= s.max_num_seqs:
         return None
     why = (
         f"latency: {share:.0%} of {finished:.0f} requests met the {target * 1000:.0f} ms TPOT "
         f"target, and the model puts a step at batch {running:.1f} at "
-        f"{predicted * 1000:.0f} ms: max_num_seqs {s.max_num_seqs} -> {new}"
+        f"{predicted * 1000:.0f} ms ({tpot_mean(fit, min(running, cap), demand) * 1000:.0f} ms at "
+        f"the latency cap): max_num_seqs {s.max_num_seqs} -> {new}"
     )
     return Candidate("lower", replace(s, max_num_seqs=new), why)
 

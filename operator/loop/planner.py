@@ -10,7 +10,8 @@
 - The plan: ``min(n_lat, n_kv, tuning.maxNumSeqs.max)``. A max_num_seqs above the demand
   costs nothing (the cap does not bind), so raising to the plan is safe whenever the
   upper bound allows it. A lower is planned only when the model is sure (its *lower*
-  bound on the step at today's setting misses the SLO) or the KV cache cannot hold it.
+  bound on the step at today's setting misses the SLO, and the plan's mean TPOT is at
+  least MIN_RELIEF under today's: the batch is to blame) or the KV cache cannot hold it.
 - Capacity: the requests per second one replica completes at the plan within the SLO,
   which the autoscaler divides the arrival rate by (one capacity model for both loops).
 """
@@ -27,6 +28,7 @@ HEADROOM = 0.9  # plan to this share of the TPOT target
 KV_SAFETY = 0.85  # of the KV blocks, at the mean occupancy of a sequence
 RAISE_HYSTERESIS = 1.25  # a planned raise moves by at least this factor
 LOWER_HYSTERESIS = 0.8  # a planned lower moves by at least this factor
+MIN_RELIEF = 0.1  # a lower for latency must cut the model's mean TPOT by this share
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,15 @@ def tpot_mean(fit: Fit, n: float, demand: Demand) -> float:
     return _steady(fit.mean, n, demand) or 0.0
 
 
+def batch_blamed(fit: Fit, demand: Demand, today: float, to: float) -> bool:
+    """Whether the model blames the batch for today's TPOT: at the batch ``to`` its mean
+    TPOT is at least MIN_RELIEF under today's. A flat fit (every batch as slow: a busy
+    machine, a target no batch meets) blames nothing, and fewer slots would only cost
+    throughput."""
+    now = tpot_mean(fit, today, demand)
+    return now > 0 and tpot_mean(fit, min(today, to), demand) <= (1 - MIN_RELIEF) * now
+
+
 def latency_cap(fit: Fit, demand: Demand, target: float, bounds: Bounds, budget: int | None) -> int:
     """The largest max_num_seqs whose upper-bound TPOT is within headroom x target."""
     hi = min(bounds.max, math.floor(fit.max_batch), budget or bounds.max)
@@ -152,6 +163,7 @@ def planned_move(p: Plan, fit: Fit, demand: Demand, target: float, current: int)
             fit.identified
             and current <= fit.max_batch
             and tpot_lower(fit, current, demand) > target
+            and batch_blamed(fit, demand, current, p.max_num_seqs)
         )
         kv_short = p.kv_cap is not None and p.kv_cap < current
         if sure or kv_short:

@@ -442,6 +442,11 @@ def test_no_latency_lower_unless_the_model_is_sure_the_batch_is_to_blame():
     assert decide(SLOW, latency_spec(0.09), S32, state)[0].action == "hold"
     # A model that saw one batch size cannot split the base cost from the batch's.
     assert latency(model=ready_model(batches=(16,))) is None
+    # A flat fit (every batch size stepped in 97 ms: a busy machine) puts every step over a
+    # 1 ms target, but fewer slots would not be faster: no blame, no capacity cut. The same
+    # model with a cost per sequence blames the batch.
+    assert latency(target=0.001, model=ready_model(beta=(0.097, 0, 0, 0))) is None
+    assert latency(target=0.001, model=ready_model(beta=(0.097, 0.003, 0, 0))).kind == "lower"
     # Too few requests, or enough of them within the target.
     assert latency(w=replace(SLOW, tpot_buckets=within(0.5, 0.06, 10))) is None
     assert latency(w=replace(SLOW, tpot_buckets=within(0.95, 0.06, 100))) is None

@@ -29,6 +29,7 @@ from batchpilot.operator.loop.observe_steps import StepCell
 from batchpilot.operator.loop.planner import (
     HEADROOM,
     Bounds,
+    batch_blamed,
     capacity_at,
     kv_cap,
     latency_cap,
@@ -351,6 +352,25 @@ def test_a_planned_lower_needs_the_lower_bound_at_todays_setting_to_miss():
     # Never down to a plan that completes fewer requests a second than arrive.
     busy = replace(DEMAND, rate=1.5 * p.capacity)
     assert planned_move(p, fit, busy, 0.06, 32) is None
+
+
+def test_a_flat_fit_plans_no_lower_for_latency():
+    # Every batch stepped in 97 ms (a busy machine): a 1 ms target is missed at any batch,
+    # and fewer slots would not be faster, so no lower is planned (the guardrail's case is
+    # in test_loop_laws), though the plan sits at the bound. Few arrivals, so the plan's
+    # capacity is not what holds it.
+    calm = replace(DEMAND, rate=0.05)
+    flat = fitted(beta=(0.097, 0, 0, 0))
+    p = plan(flat, calm, 0.001, BOUNDS, 32, None, (None, None))
+    assert p.max_num_seqs == BOUNDS.min and calm.rate <= p.capacity
+    assert tpot_lower(flat, 32, calm) > 0.001
+    assert not batch_blamed(flat, calm, 32, p.max_num_seqs)
+    assert planned_move(p, flat, calm, 0.001, 32) is None
+    # A cost per sequence is blamed: the same target plans the lower.
+    sloped = fitted(beta=(0.097, 0.003, 0, 0))
+    p = plan(sloped, calm, 0.001, BOUNDS, 32, None, (None, None))
+    assert batch_blamed(sloped, calm, 32, p.max_num_seqs)
+    assert planned_move(p, sloped, calm, 0.001, 32) == p.max_num_seqs < 32
 
 
 def test_capacity_and_the_replicas_it_asks_for():
