@@ -10,10 +10,11 @@ One replica, autoscaling off, max_num_seqs starting at 4 within tuning.maxNumSeq
     with no trial and no verdict (a planned raise, tested, may come before it);
 (b) lowered: the same requests at fewer streams than slots, then a TPOT target no CPU pod
     can meet (1 ms); the model, fitted on the pod's own step counters, puts the running
-    batch's step over the target even at its lower bound, and a smaller batch's TPOT at least
-    10% under it (the batch is to blame), so the latency guardrail lowers, at most halving; the load then stops, since at the lowered value its streams would queue and the
-    queue guardrail would raise again past the plan (an overload raise, which is right),
-    and the lowered value is checked on the pod.
+    batch's step over the target even at its lower bound, and a smaller batch's TPOT at
+    least 10% under it (the batch is to blame), so the latency guardrail lowers, at most
+    halving; the load then stops, since at the lowered value its streams would queue and
+    the queue guardrail would raise again past the plan (an overload raise, which is
+    right), and the lowered value is checked on the pod.
 A planned change under the no-harm test, on a canary and kept or reverted, is not exercised
 here (docs/tuning.md says what evidence covers it).
 """
@@ -54,8 +55,8 @@ START_MNS = 4
 # alone: with 128-token answers in (a) and 16 in (b), one CI run's fit put (a)'s decode steps
 # at batch 16 as slow as (b)'s prefill-laden ones at batch 7, and blamed nothing on the batch.
 # 188-token prompts (the seed's, 20 repeats) give each sequence a cost the fit cannot miss
-# (its prefill and context): with 17-token ones, a loaded run's model put batch 4.7 only
-# 12.5 % over batch 1, near the 10 % the latency guardrail asks for.
+# (its prefill and context): with 17-token ones, a loaded run's model put batch 1 only
+# 12.5 % under batch 4.7, near the 10 % the latency guardrail asks for.
 OUTPUT, PROMPT_REPEATS = 32, 20
 # A guardrail needs a 30 s window, and the latency one 20 finished requests in it and a
 # fitted model, at a 15 s loop period on a busy 2-core machine. Generous: a timeout here is
@@ -234,7 +235,7 @@ def test_guardrails_raise_on_a_queue_and_lower_on_a_missed_tpot_on_real_pods(
                  interval=POLL)  # fmt: skip
     except AssertionError as e:
         report(str(e))
-    # (a) 16 streams against 4 slots (8 after the raise): slot-bound with a queue.
+    # (a) 16 streams against 4 slots: slot-bound with a queue.
     loads = [start_load(node_port, tmp_path, 16, OUTPUT)]
     try:
         _raised_then_lowered(kind, namespace, node_port, tmp_path, loads, report)
