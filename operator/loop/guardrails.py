@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from batchpilot.operator.crd.spec import InferenceServiceSpec
 from batchpilot.operator.loop.model_state import ModelState
 from batchpilot.operator.loop.observe import Window
-from batchpilot.operator.loop.planner import Plan, batch_blamed, tpot_lower, tpot_mean
+from batchpilot.operator.loop.planner import MIN_RELIEF, Plan, relief, tpot_lower, tpot_mean
 from batchpilot.operator.loop.plant import Fit
 from batchpilot.operator.loop.tuner_state import EngineSettings, Kind, OverloadRaise, is_fp8
 from batchpilot.operator.loop.verify import share_within
@@ -255,8 +255,8 @@ def latency(
         return None  # the model is not sure the batch is to blame: the machine, the prompts
     # The lowers lead to the latency cap: fewer slots must be faster there by the model, or
     # they cost throughput for no TPOT.
-    cap = max(spec.tuning.max_num_seqs.min, plan.latency_cap)
-    if not batch_blamed(fit, demand, running, cap):
+    gain = relief(fit, demand, running, max(spec.tuning.max_num_seqs.min, plan.latency_cap))
+    if gain < MIN_RELIEF:
         return None
     new = max(_floor(s.max_num_seqs, spec, limits), min(s.max_num_seqs - 1, plan.latency_cap))
     if new >= s.max_num_seqs:
@@ -264,8 +264,8 @@ def latency(
     why = (
         f"latency: {share:.0%} of {finished:.0f} requests met the {target * 1000:.0f} ms TPOT "
         f"target, and the model puts a step at batch {running:.1f} at "
-        f"{predicted * 1000:.0f} ms ({tpot_mean(fit, min(running, cap), demand) * 1000:.0f} ms at "
-        f"the latency cap): max_num_seqs {s.max_num_seqs} -> {new}"
+        f"{predicted * 1000:.0f} ms ({gain:.0%} less at the latency cap): "
+        f"max_num_seqs {s.max_num_seqs} -> {new}"
     )
     return Candidate("lower", replace(s, max_num_seqs=new), why)
 

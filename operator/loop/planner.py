@@ -94,13 +94,18 @@ def tpot_mean(fit: Fit, n: float, demand: Demand) -> float:
     return _steady(fit.mean, n, demand) or 0.0
 
 
-def batch_blamed(fit: Fit, demand: Demand, today: float, to: float) -> bool:
-    """Whether the model blames the batch for today's TPOT: at the batch ``to`` its mean
-    TPOT is at least MIN_RELIEF under today's. A flat fit (every batch as slow: a busy
-    machine, a target no batch meets) blames nothing, and fewer slots would only cost
-    throughput."""
+def relief(fit: Fit, demand: Demand, today: float, to: float) -> float:
+    """The share by which the model's mean TPOT falls from the batch ``today`` to ``to``
+    (none when ``to`` is no smaller). A flat fit (every batch as slow: a busy machine, a
+    target no batch meets) gives none."""
     now = tpot_mean(fit, today, demand)
-    return now > 0 and tpot_mean(fit, min(today, to), demand) <= (1 - MIN_RELIEF) * now
+    return 1 - tpot_mean(fit, min(today, to), demand) / now if now > 0 else 0.0
+
+
+def batch_blamed(fit: Fit, demand: Demand, today: float, to: float) -> bool:
+    """Whether the model blames the batch for today's TPOT: fewer slots would cut it by at
+    least MIN_RELIEF, or they would only cost throughput."""
+    return relief(fit, demand, today, to) >= MIN_RELIEF
 
 
 def latency_cap(fit: Fit, demand: Demand, target: float, bounds: Bounds, budget: int | None) -> int:
