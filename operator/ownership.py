@@ -9,10 +9,21 @@ live objects and acts on the verdicts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from batchpilot.operator.children.meta import Owner
 from batchpilot.operator.crd.api import GROUP, KIND
 
 NAME_CONFLICT_HINT = "rename the InferenceService, or delete or rename the object"
+
+
+def controller_owner(body: Mapping) -> tuple[str, str] | None:
+    """(namespace, name) of the InferenceService controlling this child, if any."""
+    for ref in body.get("metadata", {}).get("ownerReferences") or []:
+        ours = ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP + "/")
+        if ours and ref.get("controller"):
+            return body["metadata"]["namespace"], ref["name"]
+    return None
 
 
 def controller(obj: dict) -> dict | None:

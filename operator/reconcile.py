@@ -13,8 +13,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import kopf
 
@@ -34,31 +33,26 @@ from batchpilot.operator.children.service import (
     routes_to_activator,
     service_url,
 )
+from batchpilot.operator.coalesce import Coalescer
 from batchpilot.operator.config import FIELD_MANAGER, OperatorConfig
-from batchpilot.operator.crd.api import GROUP, KIND
 from batchpilot.operator.crd.spec import InferenceServiceSpec, SpecError, parse_spec
 from batchpilot.operator.kube import ApiException, Kube, new_api_client, post_event
 from batchpilot.operator.loop.state import LoopState
 from batchpilot.operator.model_cache import ensure_cache
+from batchpilot.operator.ownership import controller_owner
 from batchpilot.operator.remembered import Deployments, Resyncs
 from batchpilot.operator.spec_checks import check_spec
 from batchpilot.operator.status import CacheState, Problem
 
 log = logging.getLogger("batchpilot.operator")
-READ_THREADS = 16  # the children's reads of the builds in flight (kopf runs 16 at once)
+READ_THREADS = 16  # the children's reads and writes of the builds in flight (kopf runs 16)
+# A Deployment's events refresh the owner's status this long after the first of them: the
+# events meanwhile (its ready count moving 0 to 5 while it starts) make one refresh.
+STATUS_REFRESH_DELAY = 2.0
 
 
 def _key(child: dict) -> tuple[str, str]:
     return child["kind"], child["metadata"]["name"]
-
-
-def controller_owner(body: Mapping) -> tuple[str, str] | None:
-    """(namespace, name) of the InferenceService controlling this child, if any."""
-    for ref in body.get("metadata", {}).get("ownerReferences") or []:
-        ours = ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP + "/")
-        if ours and ref.get("controller"):
-            return body["metadata"]["namespace"], ref["name"]
-    return None
 
 
 def about(body: dict, logger):
@@ -72,7 +66,8 @@ def about(body: dict, logger):
 
 
 class Reconciler:
-    def __init__(self, config: OperatorConfig, kube: Kube | None = None):
+    def __init__(self, config: OperatorConfig, kube: Kube | None = None,
+                 refresh_delay: float = STATUS_REFRESH_DELAY):  # fmt: skip
         self.config = config
         self._kube = kube
         if config.admin_key is None:
@@ -97,6 +92,7 @@ class Reconciler:
         # 1,000 services a first build waited on a loaded API server for each in turn.
         self._reads = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="child-read")
         self._deployments = Deployments()
+        self._refreshes = Coalescer(refresh_delay, self._refresh_later, name="status-refresh")
 
     @property
     def kube(self) -> Kube:
@@ -236,8 +232,7 @@ class Reconciler:
             serving = ("Deployment", owner.name)
             (deployment,) = [c for c in others if _key(c) == serving]
             self._write(deployment, found[serving], owner, logger, dry_run=True)
-            self._create_secret(secret)
-            written = {_key(c): self._write(c, found[_key(c)], owner, logger) for c in others}
+            written = self._write_all(secret, others, found, owner, logger)
             if not stale.first_build(prev, found):
                 stale.delete_stale(self.kube, owner, spec, to_activator=activator is not None)
                 stale.delete_stale_picker(self.kube, owner, others)
@@ -255,6 +250,23 @@ class Reconciler:
         self._deployments.seen((owner.namespace, owner.name), None, live)
         self._applied_generation[(owner.namespace, owner.name)] = live["metadata"]["generation"]
         return live, None
+
+    def _write_all(
+        self, secret: dict, others: list[dict], found: dict, owner: Owner, logger
+    ) -> dict[tuple[str, str], dict]:
+        """The children written, by kind and name: what comes before the Deployment in
+        apply order (the Secret and ConfigMap it reads, its Service and PDB) at once, one
+        round trip instead of four; then the Deployment; then the rest in order."""
+        at = next(i for i, c in enumerate(others) if _key(c) == ("Deployment", owner.name))
+        first = [self._reads.submit(self._create_secret, secret)]
+        first += [self._reads.submit(self._write, c, found[_key(c)], owner, logger)
+                  for c in others[:at]]  # fmt: skip
+        wait(first)
+        written = {_key(c): f.result() for c, f in zip(others[:at], first[1:], strict=True)}
+        first[0].result()
+        for c in others[at:]:
+            written[_key(c)] = self._write(c, found[_key(c)], owner, logger)
+        return written
 
     def _children(
         self, owner: Owner, spec: InferenceServiceSpec, loops: LoopState, activator
@@ -409,7 +421,11 @@ class Reconciler:
                 # the replicas and the activator.
                 self.reconcile_by_name(ns, name, logger)
                 return
-            self._refresh_status(ns, name, dep)
+            self._refreshes.request(owner, dep)
+
+    def _refresh_later(self, owner: tuple[str, str], dep: dict) -> None:
+        with self._lock(*owner):  # what a Deployment's events asked for (the latest's copy)
+            self._refresh_status(*owner, dep)
 
     def _refresh_status(self, ns: str, name: str, dep: dict, *, picker: bool = False) -> None:
         """Status from a Deployment event (the server's, or with ``picker`` the endpoint

@@ -7,11 +7,14 @@ benchmark at 1,000 services is benchmarks/operator_scale."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
+import threading
 
 import pytest
 
 from batchpilot.operator import log_filters, probes
+from batchpilot.operator.coalesce import Coalescer
 from batchpilot.operator.config import OperatorConfig
 from batchpilot.operator.loop.admin_client import AdminClient
 from batchpilot.operator.loop.state import LoopState
@@ -259,6 +262,65 @@ def test_the_latest_copy_of_a_deployment_is_kept():
     assert seen.get(KEY)["spec"]["replicas"] == 4
     seen.seen(KEY, "DELETED", dep("123", 4))
     assert seen.get(KEY) is None
+
+
+# --------------------------------------------------------------------------- bring-up
+
+
+def test_a_bring_ups_deployment_events_make_one_status_refresh():
+    """While a service starts, its Deployment's ready count moves 0 to 5 in quick events:
+    they are merged into one refresh (one read of the Deployment, one status write), made
+    from the Deployment as it is then, instead of a read and a write each (5 status writes
+    a service while 1,000 were made). The bring-up writes status twice in all: the
+    reconcile's, and the refresh's with Ready."""
+    config = OperatorConfig(server_image="img:1", admin_key=ADMIN_KEY)
+    kube = FakeKube()
+    rec_ = Reconciler(config, kube=kube, refresh_delay=3600)  # runs when flushed, here
+    rec_.reconcile(kube.add_isvc("chat", {"replicas": 5}))
+    assert [c for c in kube.calls if c[0] == "status"] == [("status", "chat")]
+    kube.calls.clear()
+    live = kube.objects[("Deployment", NS, "chat")]
+    for ready in range(6):
+        live["status"] = {"observedGeneration": 1, "replicas": 5, "updatedReplicas": 5,
+                          "readyReplicas": ready, "availableReplicas": ready}  # fmt: skip
+        rec_.on_deployment_event("MODIFIED", copy.deepcopy(live))
+    assert kube.calls == []  # nothing read or written yet: one refresh to come
+    assert rec_._refreshes.pending() == 1
+    rec_._refreshes.flush()
+    assert kube.calls == [("read", "Deployment", "chat"), ("status", "chat")]
+    st = kube.status("chat")
+    assert st["readyReplicas"] == 5 and st["conditions"][0]["status"] == "True"
+
+
+def test_the_coalescer_runs_a_key_once_after_its_delay_with_the_latest_value():
+    ran, done = [], threading.Event()
+
+    def run(key, value):
+        ran.append((key, value))
+        if key == "last":
+            done.set()
+
+    merged = Coalescer(1.0, run)
+    for value in range(3):
+        merged.request("a", value)
+    merged.request("last", None)  # due after "a": once it ran, "a" has
+    assert done.wait(timeout=30)
+    assert ran == [("a", 2), ("last", None)]
+    assert merged.pending() == 0
+
+
+def test_a_flushed_request_does_not_run_again_and_delay_0_runs_at_once():
+    ran, done = [], threading.Event()
+    merged = Coalescer(0.2, lambda k, v: (ran.append((k, v)), k == "b" and done.set()))
+    merged.request("a", 1)
+    merged.flush()
+    assert ran == [("a", 1)]
+    merged.request("b", 2)  # due after a's entry, which finds nothing left to run
+    assert done.wait(timeout=30)
+    assert ran == [("a", 1), ("b", 2)]
+    at_once = []
+    Coalescer(0, lambda k, v: at_once.append((k, v))).request("c", 3)
+    assert at_once == [("c", 3)]
 
 
 # --------------------------------------------------------------------------- /metrics

@@ -308,7 +308,10 @@ def kube():
 
 @pytest.fixture
 def rec(kube):
-    return Reconciler(OperatorConfig(server_image="default/img:1", admin_key=KEY), kube=kube)
+    # A Deployment's events refresh status at once here (no coalescing): test_operator_api_load
+    # has the coalesced refresh.
+    config = OperatorConfig(server_image="default/img:1", admin_key=KEY)
+    return Reconciler(config, kube=kube, refresh_delay=0)
 
 
 def picker_objects(kube: FakeKube) -> list[tuple[str, str]]:

@@ -28,7 +28,10 @@ def kube():
 
 @pytest.fixture
 def rec(kube):
-    return Reconciler(OperatorConfig(server_image="default/img:1", admin_key=KEY), kube=kube)
+    # A Deployment's events refresh status at once here (no coalescing): test_operator_api_load
+    # has the coalesced refresh.
+    config = OperatorConfig(server_image="default/img:1", admin_key=KEY)
+    return Reconciler(config, kube=kube, refresh_delay=0)
 
 
 def secret_name(name: str = "chat") -> str:
@@ -48,15 +51,16 @@ def test_builds_all_children_and_writes_status(kube, rec):
     ]
     writes = [c[1:] for c in kube.calls if c[0] in ("apply", "create")]
     # Nothing of those names existed: each is created, never applied over. Validated first
-    # (dry run), then the Deployment after the Secret and ConfigMap it reads.
-    assert writes == [
-        ("Deployment", "chat", True),
-        ("Secret", secret_name(), False),
+    # (dry run), then the Deployment after the Secret and ConfigMap it reads (those, the
+    # Service and the PDB are written together: test_the_writes_before_the_deployment_...).
+    assert writes[0] == ("Deployment", "chat", True)
+    assert sorted(writes[1:5]) == [
         ("ConfigMap", "chat-engine", False),
-        ("Service", "chat", False),
         ("PodDisruptionBudget", "chat", False),
-        ("Deployment", "chat", False),
+        ("Secret", secret_name(), False),
+        ("Service", "chat", False),
     ]
+    assert writes[5:] == [("Deployment", "chat", False)]
     assert {c[0] for c in kube.calls if c[0] in ("apply", "create")} == {"create"}
     # No autoscaler asked for, and none can be left over from a round that never ran:
     # nothing looked for, nothing deleted.
@@ -494,6 +498,28 @@ def test_the_ownership_checks_read_the_children_at_once():
             if kind in ("ConfigMap", "Service", "PodDisruptionBudget", "Deployment"):
                 self.met.wait()
             return super().read(api_version, kind, namespace, name)
+
+    kube = Together()
+    Reconciler(OperatorConfig(admin_key=KEY), kube=kube).reconcile(kube.add_isvc("chat", {}))
+    assert conds(kube.status("chat"))["Degraded"] == ("False", "AsExpected")
+    assert len(kube.children()) == 5
+
+
+def test_the_writes_before_the_deployment_are_in_flight_together():
+    """The Secret, ConfigMap, Service and PDB of a build are written at once (each waits
+    here for the other three), and the Deployment only after all four: one round trip
+    for them, not four, and the pods never start before what they read."""
+
+    class Together(FakeKube):
+        met = threading.Barrier(4, timeout=5)
+
+        def create(self, obj, *, dry_run=False):
+            if obj["kind"] == "Deployment" and not dry_run:
+                made = {kind for kind, _, _ in self.objects}
+                assert {"Secret", "ConfigMap", "Service", "PodDisruptionBudget"} <= made
+            elif not dry_run:
+                self.met.wait()
+            return super().create(obj, dry_run=dry_run)
 
     kube = Together()
     Reconciler(OperatorConfig(admin_key=KEY), kube=kube).reconcile(kube.add_isvc("chat", {}))
