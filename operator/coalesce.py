@@ -34,8 +34,8 @@ class Coalescer:
     ):
         self.delay = delay
         self._run = run
-        # key -> (the order of its entry in the heap, the latest value)
-        self._pending: dict[Hashable, tuple[int, Any]] = {}
+        # key -> (the order of its entry in the heap, when it is due, the latest value)
+        self._pending: dict[Hashable, tuple[int, float, Any]] = {}
         self._due: list[tuple[float, int, Hashable]] = []  # a heap: (when, order, key)
         self._order = itertools.count()
         self._changed = threading.Condition()
@@ -44,17 +44,21 @@ class Coalescer:
         self._pool: ThreadPoolExecutor | None = None
         self._timer: threading.Thread | None = None
 
-    def request(self, key: Hashable, value: Any) -> None:
+    def request(self, key: Hashable, value: Any, delay: float | None = None) -> None:
+        """``delay``: this request's, instead of the default; a pending run that is due
+        later is brought forward to it."""
         if self.delay <= 0:
             self._run(key, value)
             return
+        due = time.monotonic() + (self.delay if delay is None else delay)
         with self._changed:
-            if key in self._pending:
-                self._pending[key] = (self._pending[key][0], value)
+            order, was_due, _ = self._pending.get(key, (None, None, None))
+            if was_due is not None and was_due <= due:
+                self._pending[key] = (order, was_due, value)
                 return
             order = next(self._order)
-            self._pending[key] = (order, value)
-            heapq.heappush(self._due, (time.monotonic() + self.delay, order, key))
+            self._pending[key] = (order, due, value)
+            heapq.heappush(self._due, (due, order, key))
             self._start()
             self._changed.notify()
 
@@ -67,7 +71,7 @@ class Coalescer:
         """Run every pending request now, on the caller's thread."""
         with self._changed:
             pending, self._pending = self._pending, {}
-        for key, (_, value) in pending.items():
+        for key, (_, _, value) in pending.items():
             self._run(key, value)
 
     def _start(self) -> None:
@@ -84,8 +88,8 @@ class Coalescer:
                     self._changed.wait(left)  # until the first is due, or a new request
                 _, order, key = heapq.heappop(self._due)
                 if self._pending.get(key, (None,))[0] != order:
-                    continue  # flushed (and perhaps requested again since)
-                _, value = self._pending.pop(key)  # a request from now on waits anew
+                    continue  # flushed or brought forward (and perhaps requested again)
+                value = self._pending.pop(key)[2]  # a request from now on waits anew
             assert self._pool is not None
             self._pool.submit(self._run_logged, key, value)
 

@@ -40,15 +40,13 @@ from batchpilot.operator.kube import ApiException, Kube, new_api_client, post_ev
 from batchpilot.operator.loop.state import LoopState
 from batchpilot.operator.model_cache import ensure_cache
 from batchpilot.operator.ownership import controller_owner
+from batchpilot.operator.refresh import READY_DELAY, StatusRefresh
 from batchpilot.operator.remembered import Deployments, Resyncs
 from batchpilot.operator.spec_checks import check_spec
 from batchpilot.operator.status import CacheState, Problem
 
 log = logging.getLogger("batchpilot.operator")
 READ_THREADS = 16  # the children's reads and writes of the builds in flight (kopf runs 16)
-# A Deployment's events refresh the owner's status this long after the first of them: the
-# events meanwhile (its ready count moving 0 to 5 while it starts) make one refresh.
-STATUS_REFRESH_DELAY = 2.0
 
 
 def _key(child: dict) -> tuple[str, str]:
@@ -65,9 +63,9 @@ def about(body: dict, logger):
     return kopf.LocalObjectLogger(body=body, settings=settings)
 
 
-class Reconciler:
+class Reconciler(StatusRefresh):
     def __init__(self, config: OperatorConfig, kube: Kube | None = None,
-                 refresh_delay: float = STATUS_REFRESH_DELAY):  # fmt: skip
+                 refresh_delay: float = READY_DELAY):  # fmt: skip
         self.config = config
         self._kube = kube
         if config.admin_key is None:
@@ -92,7 +90,9 @@ class Reconciler:
         # 1,000 services a first build waited on a loaded API server for each in turn.
         self._reads = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="child-read")
         self._deployments = Deployments()
+        # A Deployment's events refresh status (refresh.py): 0 refreshes at once (tests).
         self._refreshes = Coalescer(refresh_delay, self._refresh_later, name="status-refresh")
+        self._ready_shown: dict[tuple[str, str], bool] = {}
 
     @property
     def kube(self) -> Kube:
@@ -162,6 +162,7 @@ class Reconciler:
         self._deployments.forget((namespace, name))
         self._applied_generation.pop((namespace, name), None)
         self._to_activator.pop((namespace, name), None)
+        self._ready_shown.pop((namespace, name), None)
         for key in [k for k in self._desired if k[0] == namespace]:
             if controller_owner(self._desired[key]) == (namespace, name):
                 del self._desired[key]
@@ -371,6 +372,7 @@ class Reconciler:
         meta = body["metadata"]
         if any(prev.get(k) != v for k, v in new.items()):
             self.kube.patch_isvc_status(meta["namespace"], meta["name"], new)
+        self._shown(meta["namespace"], meta["name"], new)
         was = status.find_condition(prev, status.DEGRADED) or {}
         now = status.find_condition(new, status.DEGRADED) or {}
         if now.get("status") == "True" and (
@@ -421,57 +423,7 @@ class Reconciler:
                 # the replicas and the activator.
                 self.reconcile_by_name(ns, name, logger)
                 return
-            self._refreshes.request(owner, dep)
-
-    def _refresh_later(self, owner: tuple[str, str], dep: dict) -> None:
-        with self._lock(*owner):  # what a Deployment's events asked for (the latest's copy)
-            self._refresh_status(*owner, dep)
-
-    def _refresh_status(self, ns: str, name: str, dep: dict, *, picker: bool = False) -> None:
-        """Status from a Deployment event (the server's, or with ``picker`` the endpoint
-        picker's): replicas and conditions only; a spec problem found by the last reconcile
-        of this generation is kept, and so is the picker's failure on a server event."""
-        body = self.kube.read_isvc(ns, name)
-        if body is None or body["metadata"].get("deletionTimestamp"):
-            return
-        if not ownership.controlled_by(dep, Owner.from_body(body)):
-            return  # an earlier object's of that name, being garbage-collected
-        # The Deployment as it is now, not as the event saw it: on a busy operator an event
-        # can be handled after a reconcile wrote a newer status, and its older counts would
-        # take Ready and the replica counts back (a loaded test run saw both). The read also
-        # skips the states between: the watch's own copy instead (no read) wrote each one,
-        # 7,548 status patches against 5,039 while 1,000 services were made
-        # (benchmarks/results/operator-scale-20261206-watch-copy-reverted.json).
-        dep = self.kube.read("apps/v1", "Deployment", ns, name) or (None if picker else dep)
-        prev = body.get("status") or {}
-        # The generation last reconciled, not the object's: an edit not yet applied must not
-        # read as observed (nor lose its reconcile's "Applied" event).
-        generation = prev.get("observedGeneration")
-        if generation is None:
-            return  # never reconciled: the reconcile writes the first status
-        new = status.compute_status(
-            name=name,
-            generation=generation,
-            prev=prev,
-            deployment=dep,
-            problem=status.kept_problem(prev, generation),
-            url=prev.get("url"),
-            to_activator=self._to_activator.get((ns, name), False),
-            cache=status.kept_cache(prev),
-            picker_failed=self._picker_failure(body)
-            if picker
-            else status.kept_picker_failure(prev, generation),
-        )
-        if any(prev.get(k) != v for k, v in new.items()):
-            self.kube.patch_isvc_status(ns, name, new)
-
-    def _picker_failure(self, body: dict) -> str | None:
-        """The failure of the picker the spec deploys now (not of one being deleted)."""
-        try:
-            spec = parse_spec(body.get("spec"))
-        except SpecError:
-            return None
-        return status.picker_failure(self._picker(Owner.from_body(body), spec))
+            self._request_refresh(owner, dep)
 
     def _on_picker_event(self, event_type: str | None, dep: dict, logger) -> None:
         """The endpoint picker's Deployment: restored like any other child, and its

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from batchpilot.operator import log_filters, probes
+from batchpilot.operator import log_filters, probes, refresh
 from batchpilot.operator.coalesce import Coalescer
 from batchpilot.operator.config import OperatorConfig
 from batchpilot.operator.loop.admin_client import AdminClient
@@ -24,7 +24,8 @@ from batchpilot.operator.loop.turn import ClosedLoop
 from batchpilot.operator.reconcile import Reconciler
 from batchpilot.operator.remembered import Deployments, Resyncs
 from tests.support.fake_kube import KEY as ADMIN_KEY
-from tests.support.fake_kube import NS, FakeKube, QueuedSource
+from tests.support.fake_kube import NS, FakeKube, QueuedSource, conds
+from tests.support.wait import wait_for
 
 KEY = (NS, "chat")
 
@@ -290,6 +291,38 @@ def test_a_bring_ups_deployment_events_make_one_status_refresh():
     assert kube.calls == [("read", "Deployment", "chat"), ("status", "chat")]
     st = kube.status("chat")
     assert st["readyReplicas"] == 5 and st["conditions"][0]["status"] == "True"
+
+
+def test_a_change_of_ready_is_written_at_once_and_the_counts_between_wait(monkeypatch):
+    """The counts on their way (0 to 4 of 5 ready) wait for COUNT_DELAY (an hour here);
+    the event that makes the service Ready brings the one refresh forward to the short
+    delay."""
+    monkeypatch.setattr(refresh, "COUNT_DELAY", 3600.0)
+    config = OperatorConfig(server_image="img:1", admin_key=ADMIN_KEY)
+    kube = FakeKube()
+    rec_ = Reconciler(config, kube=kube, refresh_delay=0.05)
+    rec_.reconcile(kube.add_isvc("chat", {"replicas": 5}))
+    kube.calls.clear()
+    live = kube.objects[("Deployment", NS, "chat")]
+    for ready in range(5):
+        live["status"] = {"observedGeneration": 1, "replicas": 5, "updatedReplicas": 5,
+                          "readyReplicas": ready, "availableReplicas": ready}  # fmt: skip
+        rec_.on_deployment_event("MODIFIED", copy.deepcopy(live))
+    assert rec_._refreshes.pending() == 1 and kube.calls == []  # an hour away
+    live["status"] = {**live["status"], "readyReplicas": 5, "availableReplicas": 5}
+    rec_.on_deployment_event("MODIFIED", copy.deepcopy(live))
+    wait_for("Ready", lambda: conds(kube.status("chat"))["Ready"][0] == "True", timeout=60)
+    assert [c for c in kube.calls if c[0] == "status"] == [("status", "chat")]
+    assert rec_._refreshes.pending() == 0
+
+
+def test_a_sooner_request_brings_a_pending_run_forward():
+    ran, done = [], threading.Event()
+    merged = Coalescer(3600, lambda k, v: (ran.append((k, v)), done.set()))
+    merged.request("a", 1)  # an hour away
+    merged.request("a", 2, delay=0.01)
+    assert done.wait(timeout=30)
+    assert ran == [("a", 2)] and merged.pending() == 0
 
 
 def test_the_coalescer_runs_a_key_once_after_its_delay_with_the_latest_value():
