@@ -3,7 +3,8 @@
 `--temperature 0.7 --batch 40` is the seed's load script; `--kernel-ab` times 40 steps
 with the CPU decode kernel on and off in turn, whatever start-up chose, so a shared
 machine's drifting load hits both alike; `--rope-ab` does the same for the fused rotary +
-K/V write (server/model/cpu_rope.py) against torch's ops. Run it under different `taskset` pinnings to see
+K/V write (server/model/cpu_rope.py) against torch's ops, and `--fused-ab` the fused decode
+step (server/model/cpu_layer.py: one C++ call a layer) against the layer-by-layer one. Run it under different `taskset` pinnings to see
 what the thread count costs on a loaded machine, e.g.
 `taskset -c 1 .venv/bin/python benchmarks/decode_step.py`. `--no-malloc-tuning` leaves
 glibc's malloc as it comes (server/platform/cpu_malloc.py), for an A/B of its page faults."""
@@ -26,6 +27,7 @@ parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--temperature", type=float, default=0.0)
 parser.add_argument("--kernel-ab", action="store_true")
 parser.add_argument("--rope-ab", action="store_true")
+parser.add_argument("--fused-ab", action="store_true")
 parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
 parser.add_argument("--linear-backend", default="auto", choices=("auto", "torch", "onednn"))
 parser.add_argument("--no-malloc-tuning", action="store_true")
@@ -51,14 +53,18 @@ print(f"admitting {args.batch} prompts: {admitting} steps, {time.perf_counter() 
 
 chosen = engine.runner.attention_backend
 print(f"start-up chose {chosen}")
-ab = args.kernel_ab or args.rope_ab
+ab = args.kernel_ab or args.rope_ab or args.fused_ab
 modes = [True, False] * 20 if ab else [chosen == "cpu_kernel"] * 15
-fused_rope = cpu_rope.usable
+fused_rope, fused_step = cpu_rope.usable, engine.runner.fused
+print(f"fused decode step: {'built' if fused_step else 'not used (needs bf16 GEMV kernel)'}")
+what = "rotary + write" if args.rope_ab else "fused step" if args.fused_ab else "decode"
 times = {True: [], False: []}
 faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for on in modes:
     if args.rope_ab:
         cpu_rope.usable = fused_rope if on else lambda *_: False
+    elif args.fused_ab:
+        engine.runner.fused = fused_step if on else None
     else:
         engine.runner.attention_backend = "cpu_kernel" if on else "torch"
     start = time.perf_counter()
@@ -70,6 +76,5 @@ print(f"minor page faults per step: {faults:.0f}")
 for on, taken in times.items():
     if taken:
         print(f"step at batch {batch}, temperature {args.temperature}, "
-              f"{'rotary + write' if args.rope_ab else 'decode'} kernel "
-              f"{'on' if on else 'off'}: median {statistics.median(taken) * 1e3:.0f} ms, "
-              f"min {min(taken) * 1e3:.0f} ms")  # fmt: skip
+              f"{what} {'on' if on else 'off'}: median {statistics.median(taken) * 1e3:.1f} ms, "
+              f"min {min(taken) * 1e3:.1f} ms")  # fmt: skip

@@ -21,7 +21,7 @@ from batchpilot.server.engine.sequence import Sequence
 from batchpilot.server.kv.cache import KVCache, bytes_per_block, storage_dtype
 from batchpilot.server.kv.manager import cdiv
 from batchpilot.server.lora.slots import LoRABatch, LoRASlots, module_shapes
-from batchpilot.server.model import cpu_gemv, cpu_linear, cpu_norm
+from batchpilot.server.model import cpu_gemv, cpu_layer, cpu_linear, cpu_norm
 from batchpilot.server.model.cuda_graphs import DecodeGraphs
 from batchpilot.server.model.llama import LlamaDecoder
 from batchpilot.server.sampling.logprobs import PositionLogprobs, compute_logprobs, gather_logprobs
@@ -79,6 +79,8 @@ class ModelRunner:
             self.linear_backend = (cpu_gemv.apply(model, config.linear_backend)
                                    or cpu_linear.apply(model, config.linear_backend))  # fmt: skip
             cpu_norm.load()  # loaded now, before Ready, not in the first request's step
+        # Small decode steps as one C++ call a layer (bf16 on the GEMV kernel only).
+        self.fused = cpu_layer.FusedDecode.of(model) if self.linear_backend == "gemv" else None
         self.graphs: DecodeGraphs | None = None  # captured at the first decode-only step
         kv_dtype = storage_dtype(config.kv_cache_dtype, model.lm_head.weight.dtype)
         self.block_bytes = bytes_per_block(len(model.layers), config.block_size,
@@ -173,6 +175,8 @@ class ModelRunner:
         cuda_graphs is on (graphs are captured here, at the first such step, after fp8
         calibration; steps outside the profile and calibration runs use self.kv_cache).
         Steps with adapter rows are never replayed: the graphs hold the base model only."""
+        if self.fused is not None and self.fused.fits(meta, kv, lora, len(input_ids)):
+            return self.fused(input_ids, positions, kv, meta, logits_index)
         decode_only = (isinstance(meta, TritonMetadata) and kv is self.kv_cache
                        and meta.num_decodes == len(input_ids) == len(logits_index))  # fmt: skip
         wanted = self.config.cuda_graphs and self.device.type == "cuda" and lora is None

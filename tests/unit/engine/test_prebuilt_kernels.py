@@ -135,6 +135,7 @@ def test_every_kernel_declares_targets_it_can_be_built_for():
         assert kernel.targets and set(kernel.targets) <= set(prebuilt_kernels.TARGETS)
         assert not any(flag.startswith("-march") for flag in kernel.cflags), kernel.stem
     assert specs["batchpilot.server.model.cpu_gemv"].targets == BF16
+    assert specs["batchpilot.server.model.cpu_layer"].targets == BF16
 
 
 def test_the_check_fails_where_a_runnable_prebuilt_kernel_does_not_load(
