@@ -41,6 +41,92 @@ static inline float exp_nonpositive(float x) {
 
 static inline double exp_nonpositive(double x) { return std::exp(x); }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+// 16 bf16 values widened to float32 (exact: a bf16 is a float32's top half).
+static inline __m512 bf16x16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// One (sequence, KV head) of a bf16 cache, its G query heads at once, head_dim 16 * C: each
+// K and V row is widened once a position and the G heads' q and accumulators stay in
+// registers. The auto-vectorized loop below widened each row once per head and reduced
+// every accumulator through memory: 4x this one's time at one thread (EPYC, head_dim 64).
+template <int G, int C>
+static void bf16_job(const at::BFloat16* qs, const at::BFloat16* kc, const at::BFloat16* vc,
+                     const int64_t* slot_of, int64_t len, float scale, float* scores,
+                     at::BFloat16* os) {
+  constexpr int D = 16 * C;
+  __m512 q[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
+      q[g][c] = _mm512_mul_ps(bf16x16(qs + g * D + c * 16), _mm512_set1_ps(scale));
+  for (int64_t t = 0; t < len; ++t) {
+    __m512 k[C];
+    for (int c = 0; c < C; ++c) k[c] = bf16x16(kc + slot_of[t] * D + c * 16);
+    for (int g = 0; g < G; ++g) {
+      __m512 dot = _mm512_mul_ps(q[g][0], k[0]);
+      for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(q[g][c], k[c], dot);
+      scores[g * len + t] = _mm512_reduce_add_ps(dot);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* row = scores + g * len;
+    float top = -INFINITY, sum = 0;
+    for (int64_t t = 0; t < len; ++t) top = std::max(top, row[t]);
+    for (int64_t t = 0; t < len; ++t) row[t] = exp_nonpositive(row[t] - top);
+    for (int64_t t = 0; t < len; ++t) sum += row[t];
+    for (int64_t t = 0; t < len; ++t) row[t] /= sum;
+  }
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = bf16x16(vc + slot_of[t] * D + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+    }
+  }
+  alignas(64) float out[16];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) {
+      _mm512_store_ps(out, acc[g][c]);
+      for (int i = 0; i < 16; ++i) os[g * D + c * 16 + i] = at::BFloat16(out[i]);
+    }
+}
+
+using BF16Job = void (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*,
+                         const int64_t*, int64_t, float, float*, at::BFloat16*);
+
+template <int C>
+static BF16Job bf16_job_for_group(int64_t group) {
+  switch (group) {
+    case 1: return bf16_job<1, C>;
+    case 2: return bf16_job<2, C>;
+    case 3: return bf16_job<3, C>;
+    case 4: return bf16_job<4, C>;
+    case 5: return bf16_job<5, C>;
+    case 6: return bf16_job<6, C>;
+    case 7: return bf16_job<7, C>;
+    case 8: return bf16_job<8, C>;
+    default: return nullptr;
+  }
+}
+
+// The register-blocked job for this shape, or nullptr (the portable loop serves it).
+static BF16Job bf16_job_for(int64_t group, int64_t dim) {
+  switch (dim) {
+    case 16: return bf16_job_for_group<1>(group);
+    case 64: return bf16_job_for_group<4>(group);
+    case 128: return bf16_job_for_group<8>(group);
+    default: return nullptr;
+  }
+}
+#endif
+
 template <typename T>
 void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* tables,
                  const int64_t* lens, T* out, int64_t heads, int64_t kv_heads, int64_t dim,
@@ -53,11 +139,13 @@ void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* tables,
   using acc_t = std::conditional_t<std::is_same_v<T, float>, double, float>;
   std::vector<acc_t> qf(group * dim), kf(dim), acc(group * dim), scores;
   std::vector<int64_t> slot_of;
+#ifdef __AVX512F__
+  BF16Job fast = nullptr;
+  if constexpr (std::is_same_v<T, at::BFloat16>) fast = bf16_job_for(group, dim);
+#endif
   for (int64_t job = begin; job < end; ++job) {
     const int64_t s = job / kv_heads, h = job % kv_heads, len = lens[s];
     const T* qs = q + (s * heads + h * group) * dim;
-    for (int64_t i = 0; i < group * dim; ++i) qf[i] = static_cast<acc_t>(qs[i]) * scale;
-    scores.assign(group * len, acc_t(0));
     // Each position's cache slot, once per task: a 64-bit division per position and
     // pass cost more than the dot products at a few hundred tokens of context.
     slot_of.resize(len);
@@ -65,6 +153,17 @@ void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* tables,
       const int64_t base = tables[s * width + t0 / block_size] * block_size - t0;
       for (int64_t t = t0; t < std::min(len, t0 + block_size); ++t) slot_of[t] = base + t;
     }
+    scores.assign(group * len, acc_t(0));
+#ifdef __AVX512F__
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (fast) {
+        fast(qs, kc + h * slots * dim, vc + h * slots * dim, slot_of.data(), len, scale,
+             scores.data(), out + (s * heads + h * group) * dim);
+        continue;
+      }
+    }
+#endif
+    for (int64_t i = 0; i < group * dim; ++i) qf[i] = static_cast<acc_t>(qs[i]) * scale;
     for (int64_t t = 0; t < len; ++t) {
       const T* kr = kc + (h * slots + slot_of[t]) * dim;
       for (int64_t d = 0; d < dim; ++d) kf[d] = static_cast<acc_t>(kr[d]);

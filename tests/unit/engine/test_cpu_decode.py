@@ -44,6 +44,40 @@ def test_kernel_matches_the_gathering_torch_path(dtype, atol):
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
 
 
+def exact_attention(q, k_cache, v_cache, tables, lens, block, scale) -> torch.Tensor:
+    """Each sequence's attention in float64 over the positions its block table names."""
+    n, heads, dim = q.shape
+    kv_heads = k_cache.shape[0]
+    out = torch.empty(n, heads, dim, dtype=torch.float64)
+    for s in range(n):
+        slots = torch.tensor([int(tables[s, t // block]) * block + t % block
+                              for t in range(int(lens[s]))])  # fmt: skip
+        for h in range(heads):
+            kv = h // (heads // kv_heads)
+            k, v = k_cache[kv, slots].double(), v_cache[kv, slots].double()
+            weights = torch.softmax(k @ q[s, h].double() * scale, dim=0)
+            out[s, h] = weights @ v
+    return out.view(n, heads * dim)
+
+
+# bf16 at these head_dims and groups takes the AVX-512 register-blocked job where the
+# build has AVX-512, the portable loop elsewhere: both must give the exact attention.
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_bf16_decode_at_real_head_dims_is_the_exact_attention(dim, group):
+    torch.manual_seed(dim + group)
+    kv_heads, block, blocks = 2, 16, 40
+    k_cache = torch.randn(kv_heads, blocks * block, dim).to(torch.bfloat16)
+    v_cache = torch.randn(kv_heads, blocks * block, dim).to(torch.bfloat16)
+    lens = torch.tensor([1, 16, 17, 150, 300])
+    tables = torch.stack([torch.randperm(blocks)[:19] for _ in lens])
+    q = torch.randn(len(lens), kv_heads * group, dim).to(torch.bfloat16)
+    got = cpu_decode.paged_decode(q, k_cache, v_cache, tables, lens, block, dim**-0.5)
+    want = exact_attention(q, k_cache, v_cache, tables, lens, block, dim**-0.5)
+    # One bf16 rounding of the output (2^-8 relative) and float32 sums before it.
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2**-7)
+
+
 def test_a_failed_build_leaves_the_torch_path(monkeypatch):
     import torch.utils.cpp_extension
 
