@@ -62,8 +62,9 @@ def load_configuration() -> client.Configuration:
             config_file=os.environ.get("KUBECONFIG") or None,
             client_configuration=configuration,
         )
-    # Handlers (16), the builds' child reads (16) and the loop's calls (16) run on threads: a
-    # pool smaller than them discards connections, and each new one is a TLS handshake.
+    # Handlers (16), the builds' child reads (16), the status refreshes (16) and the loop's
+    # calls (16) run on threads: a pool smaller than them discards connections, and each
+    # new one is a TLS handshake.
     configuration.connection_pool_maxsize = 64
     return configuration
 
