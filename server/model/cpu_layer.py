@@ -1,13 +1,13 @@
 """One C++ call per decoder layer for the CPU's small decode steps: the fused decode step.
 
 At one decoding sequence a bf16 layer's kernels (two norms, four GEMVs, the rotary and
-K/V write, the attention) run in about 300 µs, most of it the weights streaming, and the
-Python and torch dispatch around them cost about 70 µs more: a fifth of the step. For a
-decode-only step of up to GEMV_MAX_ROWS sequences, with no adapter rows, this runs each
-layer as one call into a module that holds the same four kernels (cpu_norm, cpu_gemv,
-cpu_rope, cpu_decode; their sources compiled together here, each under its own flags),
-called in the same order on the same tensors, so the step's logits are the same bit for
-bit as the layer-by-layer path's (tests/unit/engine/test_cpu_layer.py).
+K/V write, the attention) run in about 280 µs on a 2-core EPYC, most of it the weights
+streaming, and the Python and torch dispatch around them cost about 80 µs more: a fifth
+of the step. For a decode-only step of up to GEMV_MAX_ROWS sequences, with no adapter
+rows, this runs each layer as one call into a module that holds the same four kernels
+(cpu_norm, cpu_gemv, cpu_rope, cpu_decode: their sources compiled together here), called
+in the same order on the same tensors, so the step's logits are the same bit for bit as
+the layer-by-layer path's (tests/unit/engine/test_cpu_layer.py).
 
 It serves bf16 Llama-family models whose projections took cpu_gemv's kernel and whose
 norms and MLP are plain Llama's (not Gemma's offset norm or GELU, not Qwen3's q/k norms),
