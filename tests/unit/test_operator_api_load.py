@@ -268,6 +268,16 @@ def test_the_latest_copy_of_a_deployment_is_kept():
 # --------------------------------------------------------------------------- bring-up
 
 
+def ready_events(rec_, kube, readies) -> None:
+    """The Deployment "chat" of 5 replicas, its ready count moving through `readies`, one
+    MODIFIED event each."""
+    live = kube.objects[("Deployment", NS, "chat")]
+    for ready in readies:
+        live["status"] = {"observedGeneration": 1, "replicas": 5, "updatedReplicas": 5,
+                          "readyReplicas": ready, "availableReplicas": ready}  # fmt: skip
+        rec_.on_deployment_event("MODIFIED", copy.deepcopy(live))
+
+
 def test_a_bring_ups_deployment_events_make_one_status_refresh():
     """While a service starts, its Deployment's ready count moves 0 to 5 in quick events:
     they are merged into one refresh (one read of the Deployment, one status write), made
@@ -280,11 +290,7 @@ def test_a_bring_ups_deployment_events_make_one_status_refresh():
     rec_.reconcile(kube.add_isvc("chat", {"replicas": 5}))
     assert [c for c in kube.calls if c[0] == "status"] == [("status", "chat")]
     kube.calls.clear()
-    live = kube.objects[("Deployment", NS, "chat")]
-    for ready in range(6):
-        live["status"] = {"observedGeneration": 1, "replicas": 5, "updatedReplicas": 5,
-                          "readyReplicas": ready, "availableReplicas": ready}  # fmt: skip
-        rec_.on_deployment_event("MODIFIED", copy.deepcopy(live))
+    ready_events(rec_, kube, range(6))
     assert kube.calls == []  # nothing read or written yet: one refresh to come
     assert rec_._refreshes.pending() == 1
     rec_._refreshes.flush()
@@ -303,14 +309,9 @@ def test_a_change_of_ready_is_written_at_once_and_the_counts_between_wait(monkey
     rec_ = Reconciler(config, kube=kube, refresh_delay=0.05)
     rec_.reconcile(kube.add_isvc("chat", {"replicas": 5}))
     kube.calls.clear()
-    live = kube.objects[("Deployment", NS, "chat")]
-    for ready in range(5):
-        live["status"] = {"observedGeneration": 1, "replicas": 5, "updatedReplicas": 5,
-                          "readyReplicas": ready, "availableReplicas": ready}  # fmt: skip
-        rec_.on_deployment_event("MODIFIED", copy.deepcopy(live))
+    ready_events(rec_, kube, range(5))
     assert rec_._refreshes.pending() == 1 and kube.calls == []  # an hour away
-    live["status"] = {**live["status"], "readyReplicas": 5, "availableReplicas": 5}
-    rec_.on_deployment_event("MODIFIED", copy.deepcopy(live))
+    ready_events(rec_, kube, [5])
     wait_for("Ready", lambda: conds(kube.status("chat"))["Ready"][0] == "True", timeout=60)
     assert [c for c in kube.calls if c[0] == "status"] == [("status", "chat")]
     assert rec_._refreshes.pending() == 0
