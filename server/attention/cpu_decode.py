@@ -153,16 +153,17 @@ void decode_rows(const T* q, const T* kc, const T* vc, const int64_t* tables,
       const int64_t base = tables[s * width + t0 / block_size] * block_size - t0;
       for (int64_t t = t0; t < std::min(len, t0 + block_size); ++t) slot_of[t] = base + t;
     }
-    scores.assign(group * len, acc_t(0));
 #ifdef __AVX512F__
     if constexpr (std::is_same_v<T, at::BFloat16>) {
-      if (fast) {
+      if (fast) {  // it writes every score before reading one: no zeroing
+        scores.resize(group * len);
         fast(qs, kc + h * slots * dim, vc + h * slots * dim, slot_of.data(), len, scale,
              scores.data(), out + (s * heads + h * group) * dim);
         continue;
       }
     }
 #endif
+    scores.assign(group * len, acc_t(0));
     for (int64_t i = 0; i < group * dim; ++i) qf[i] = static_cast<acc_t>(qs[i]) * scale;
     for (int64_t t = 0; t < len; ++t) {
       const T* kr = kc + (h * slots + slot_of[t]) * dim;

@@ -110,7 +110,7 @@ class FusedDecode:
     @classmethod
     def of(cls, model) -> "FusedDecode | None":
         """For a bf16 model whose every layer fits, where the module builds; else None."""
-        if model.lm_head.weight.dtype != torch.bfloat16 or model.embed_scale is not None:
+        if model.lm_head.weight.dtype != torch.bfloat16:
             return None
         weights = [_weights(layer) for layer in model.layers]
         if any(w is None for w in weights) or load() is None:
@@ -129,12 +129,10 @@ class FusedDecode:
                  logits_index: torch.Tensor) -> torch.Tensor:  # fmt: skip
         model, run = self.model, load().decode_layer
         bucket, layer0 = meta.decode_buckets[0], model.layers[0]
-        x, residual = model.embed_tokens(input_ids), self.empty
-        cos, sin = model.cos[positions], model.sin[positions]
+        (x, cos, sin), residual = model.embed(input_ids, positions), self.empty
         eps = layer0.input_layernorm.eps
         for i, weights in enumerate(self.weights):
             x, residual = run(x, residual, weights, cos, sin, kv.k[i], kv.v[i],
                               meta.slot_mapping, bucket.blocks, bucket.context_lens,
                               layer0.num_heads, kv.block_size, layer0.scale, eps)  # fmt: skip
-        x, _ = model.norm(x[logits_index], residual[logits_index])
-        return model.lm_head(x).to(torch.float32)
+        return model.logits(x, residual, logits_index)

@@ -175,13 +175,21 @@ class LlamaDecoder(nn.Module):
 
     def forward(self, input_ids, positions, kv: KVCache, meta: AttentionMetadata,
                 logits_index: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:  # fmt: skip
-        x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        cos, sin = self.cos[positions], self.sin[positions]
+        x, cos, sin = self.embed(input_ids, positions)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, kv, meta, lora)
+        return self.logits(x, residual, logits_index)
+
+    def embed(self, input_ids, positions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (the first layer's input, the rotary cos and sin at positions)."""
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        return x, self.cos[positions], self.sin[positions]
+
+    def logits(self, x, residual, logits_index: torch.Tensor) -> torch.Tensor:
+        """The last layer's output and residual -> float32 logits at logits_index."""
         x, _ = self.norm(x[logits_index], residual[logits_index])
         return self.lm_head(x).to(torch.float32)
 
