@@ -10,11 +10,11 @@ One replica, autoscaling off, max_num_seqs starting at 4 within tuning.maxNumSeq
     with no trial and no verdict (a planned raise, tested, may come before it);
 (b) lowered: the same requests at fewer streams than slots, then a TPOT target no CPU pod
     can meet (1 ms); the model, fitted on the pod's own step counters, puts the running
-    batch's step over the target even at its lower bound, and a smaller batch's TPOT at
+    batch's mean step over the target, and a smaller batch's TPOT at
     least 10% under it (the batch is to blame), so the latency guardrail lowers, at most
     halving; the load then stops, since at the lowered value its streams would queue and
-    the queue guardrail would raise again past the plan (an overload raise, which is
-    right), and the lowered value is checked on the pod.
+    the queue guardrail would raise again (which is right), and the lowered value is
+    checked on the pod.
 A planned change under the no-harm test, on a canary and kept or reverted, is not exercised
 here (docs/tuning.md says what evidence covers it).
 """
@@ -314,8 +314,8 @@ def _raised_then_lowered(kind: Kind, namespace: str, url: str, tmp_path: Path, l
     except AssertionError as e:
         report(f"{e}\n{dump(tuning_status(kind, namespace))}\n{load_logs(tmp_path)}")
     # The load stops at once: a queue it built at the lowered value would have the queue
-    # guardrail raise again (an overload raise is the intended answer to that), racing the
-    # check below that the lower reached the pods.
+    # guardrail raise again (the intended answer to that), racing the check below that the
+    # lower reached the pods.
     stop_load(loads.pop())
     tuning = tuning_status(kind, namespace)
     assert lowered["reason"].startswith("guardrail: latency:"), dump(tuning)

@@ -123,6 +123,7 @@ def arm_sim(arm: Arm, sim_class=None):
         kv_cache_bytes=built.kv_cache_bytes,
         swap_space_bytes=cal.swap_space_bytes,
         max_num_batched_tokens=cal.default_budget,
+        client_patience_s=arm.workload.client_patience(arm.plant),
     )
     sim = (sim_class or RecordingServiceSim)(
         make_spec(arm.plant, arm.setting, arm), config, calibration=cal,

@@ -46,6 +46,9 @@ class ReplicaConfig:
     max_num_batched_tokens: int = 2048
     # (TTFT, TPOT) targets the server was given (names.SLO_TTFT/TPOT): counted per request.
     slo: tuple[float, float] | None = None
+    # Seconds a client waits for its request to start before it gives up (disconnects,
+    # and the server drops the request, as vLLM aborts one); None: clients wait forever.
+    client_patience_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,8 @@ class ReplicaSim:
             ("preemptions", "swaps_out", "swaps_in", "gen", "prompt", "arrivals"), 0
         )
         self.slo = config.slo
+        self.patience = config.client_patience_s
+        self.abandoned = 0  # requests dropped because their clients gave up
         if self.slo is not None:
             self.counters.update(slo_requests=0, slo_met=0)
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -168,6 +173,7 @@ class ReplicaSim:
     # -- one step
 
     def step(self) -> float | None:
+        self._abandon()
         s = self.steps
         seconds = self._swap_in(s) + self._grow(s)
         decodes = self._decoding
@@ -188,6 +194,20 @@ class ReplicaSim:
         for seq in prefilled:
             self._first_token(seq)
         return seconds
+
+    def _abandon(self) -> None:
+        """Drop the waiting requests whose clients gave up before their first token. They
+        queue in arrival order behind any preempted sequence put back at the front (whose
+        client is already streaming, and stays)."""
+        if self.patience is None:
+            return
+        cutoff, waiting = self.time - self.patience, self.waiting
+        i = 0
+        while i < len(waiting) and waiting[i].first_token is not None:
+            i += 1
+        while i < len(waiting) and waiting[i].req.arrival < cutoff:
+            del waiting[i]
+            self.abandoned += 1
 
     def _record_step(self, s: int, seconds: float, decodes: int, prefill: int) -> None:
         """The step-cost counters, as the server counts them: every running sequence that

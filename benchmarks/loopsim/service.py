@@ -173,6 +173,7 @@ class ServiceSim:
             swap_space_bytes=self.config.swap_space_bytes,
             max_num_batched_tokens=engine.max_num_batched_tokens
             or self.config.max_num_batched_tokens,
+            client_patience_s=self.config.client_patience_s,
         )
 
     def _scale_to(self, desired: int, status: dict) -> None:

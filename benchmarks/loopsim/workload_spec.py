@@ -20,7 +20,9 @@ schema is SCHEMA.md's):
       "quiet_max_changes": 2, "quiet_per": "hour",   # or "run"
       "starts": ["under", "best", "over"],
       "worst_vs_start_min": 1.0,       # the worst seed's loop / start must reach this
-      "autoscaled": false              # one of the --autoscaled mode's workloads
+      "autoscaled": false,             # one of the --autoscaled mode's workloads
+      "client_patience_of_ttft": null  # clients give up on a request not started within
+                                       # this x the TTFT target; null: they wait forever
     }
 
 params by kind: step {before, after: x the rate; at: fraction of the duration}; diurnal
@@ -74,6 +76,12 @@ class WorkloadSpec:
     starts: tuple[str, ...]
     worst_vs_start_min: float
     autoscaled: bool
+    client_patience_of_ttft: float | None
+
+    def client_patience(self, plant: Plant) -> float | None:
+        """Seconds a client waits for its first token before giving up, or None."""
+        f = self.client_patience_of_ttft
+        return None if f is None else f * plant.ttft_target
 
 
 @dataclass(frozen=True)
@@ -207,7 +215,14 @@ def workload_from_dict(data: dict, where: str = "workload") -> WorkloadSpec:
         starts=starts,
         worst_vs_start_min=float(positive(data, "worst_vs_start_min", float, where, 1.0)),
         autoscaled=field(data, "autoscaled", bool, where, False),
+        client_patience_of_ttft=_patience(data, where),
     )
+
+
+def _patience(data: dict, where: str) -> float | None:
+    if data.get("client_patience_of_ttft") is None:
+        return None
+    return float(positive(data, "client_patience_of_ttft", float, where))
 
 
 def load_workload(path) -> WorkloadSpec:

@@ -5,20 +5,23 @@
   and KV caps), or room for the whole queue (at least twice today's value) before the
   model can speak; never past what the KV cache held at the window's peak usage per
   sequence. Past the plan when the replica is overloaded at it (the queue grows there, or
-  the demand is more than the plan completes): then every queued request misses its TTFT,
-  a larger loss than a TPOT over target, so the cap is the model's KV cap (room for the
-  queue while the KV cache is unknown), within the model's reach (twice the largest batch
-  it has seen: a plant that is not the model's form may slow down past it). A raise made on a queue is undone only by the
-  thrash or latency guardrail, never by a goodput window. The queue is the last turn's, so
-  a long quiet spell does not average it away.
+  the demand is more than the plan completes) and the queue is a backlog (its oldest
+  request has waited 1.5 x the TTFT target): then queued requests miss their TTFT at any
+  batch, a larger loss than a TPOT over target, so the cap is the model's KV cap (room
+  for the queue while the KV cache is unknown), within the model's reach (twice the
+  largest batch it has seen: a plant that is not the model's form may slow down past
+  it). Where clients give up before their TTFT target the queue stays young, and a batch
+  past the plan would only cost its own requests' TPOT. A raise made on a queue is undone
+  only by the thrash or latency guardrail, never by a goodput window. The queue is the
+  last turn's, so a long quiet spell does not average it away.
 - KV thrash (preemptions or swaps per 1,000 generated tokens over a bound, worst replica):
   fp8 when allowed, else lower to the count the KV cache held, at most halving.
 - Latency: fewer than ``latency_attainment`` of the window's requests met the TPOT target,
-  and the model attributes it to the batch (its step at the running batch misses the
+  and the model attributes it to the batch (its mean step at the running batch misses the
   target, and at the latency cap its TPOT is at least the planner's MIN_RELIEF less), on a
-  healthy plant with no queue (a backlog drains slower after a lower, and
-  the queue guardrail would undo it a turn later): lower to the latency cap, at most
-  halving. Not while an overload raise binds (``overload_after``): the raise past the plan
+  healthy plant with no backlog and no growing queue (a backlog drains slower after a
+  lower): lower to the latency cap, at most halving. A young queue does not hold it: the
+  queue guardrail raises no further than the plan the lower leads to. Not while an overload raise binds (``overload_after``): the raise past the plan
   is remembered, and the lower waits until the overload has been gone (the arrival rate
   within the plan's capacity, no queue) for ``overload_clear_seconds``; else the two took
   turns, 32 <-> 64 every 30-60 s on a diurnal peak. A lower with no overload raise before
@@ -35,7 +38,7 @@ from dataclasses import dataclass, replace
 from batchpilot.operator.crd.spec import InferenceServiceSpec
 from batchpilot.operator.loop.model_state import ModelState
 from batchpilot.operator.loop.observe import Window
-from batchpilot.operator.loop.planner import MIN_RELIEF, Plan, relief, tpot_lower, tpot_mean
+from batchpilot.operator.loop.planner import MIN_RELIEF, Plan, relief, tpot_mean
 from batchpilot.operator.loop.plant import Fit
 from batchpilot.operator.loop.tuner_state import EngineSettings, Kind, OverloadRaise, is_fp8
 from batchpilot.operator.loop.verify import share_within
@@ -64,6 +67,9 @@ class TuneLimits:
     # An overload raise binds until the overload has been gone this long (the dwell of a
     # planned change: a demand near the plan's capacity crosses it back and forth).
     overload_clear_seconds: float = 600.0
+    # A queue whose oldest request has waited this x the TTFT target is a backlog (clients
+    # that give up at the target keep it under: a step's length past it at most).
+    backlog_ttft_factor: float = 1.5
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,12 @@ def overloaded(s: EngineSettings, model: ModelState, plan: Plan | None) -> bool:
     return model.per_replica().rate > plan.capacity or (at_plan and model.queue_growing())
 
 
+def backlog(w: Window, spec: InferenceServiceSpec, limits: TuneLimits) -> bool:
+    """The queue's oldest request has waited well past the TTFT target: queued requests
+    miss it at any batch, and only throughput drains them."""
+    return w.oldest_waiting_seconds > limits.backlog_ttft_factor * spec.ttft_target_seconds
+
+
 def safe_cap(w: Window, s: EngineSettings, spec: InferenceServiceSpec, plan: Plan | None,
              limits: TuneLimits, overload: bool = False) -> int:  # fmt: skip
     """The highest max_num_seqs the loop may raise to at once."""
@@ -163,7 +175,10 @@ def queue(
         return None
     if running < limits.slot_busy_fraction * s.max_num_seqs or worst_thrash(replicas) > 0:
         return None
-    overload = overloaded(s, model, plan)
+    # Past the plan only where the queue is a backlog: where clients give up before their
+    # TTFT target, the queue stays young, and a batch past the latency cap would cost its
+    # own requests' TPOT and gain nothing.
+    overload = overloaded(s, model, plan) and backlog(w, spec, limits)
     new = safe_cap(w, s, spec, plan, limits, overload)
     if new <= s.max_num_seqs:
         return None
@@ -245,14 +260,13 @@ def latency(
         return None
     if model.degraded(now) or model.queue_growing():
         return None
-    demand = model.per_replica()
-    queued = max(w.per_replica(w.waiting), model.queue[-1] if model.queue else 0.0)
-    if queued >= limits.min_waiting:
+    if backlog(w, spec, limits):
         return None  # a backlog drains slower after a lower: its TTFTs pay for the TPOTs
+    demand = model.per_replica()
     running = w.per_replica(w.running)
     predicted = tpot_mean(fit, running, demand)
-    if tpot_lower(fit, running, demand) <= target:
-        return None  # the model is not sure the batch is to blame: the machine, the prompts
+    if predicted <= target:
+        return None  # the model does not put the miss on the batch: the machine, the prompts
     # The lowers lead to the latency cap: fewer slots must be faster there by the model, or
     # they cost throughput for no TPOT.
     gain = relief(fit, demand, running, max(spec.tuning.max_num_seqs.min, plan.latency_cap))

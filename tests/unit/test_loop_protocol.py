@@ -15,8 +15,9 @@ from benchmarks.loopsim import protocol_score as score
 from benchmarks.loopsim.calibration import CPU, H100_LLAMA3_8B
 from benchmarks.loopsim.noise import EpisodicNoise, step_factor
 from benchmarks.loopsim.plant_spec import SpecError, load_plant
-from benchmarks.loopsim.replica import StepNoise
+from benchmarks.loopsim.replica import ReplicaConfig, ReplicaSim, StepNoise
 from benchmarks.loopsim.workload_spec import build, load_workload, workload_from_dict
+from benchmarks.loopsim.workloads import Request
 
 LOOPSIM = Path(__file__).resolve().parents[2] / "benchmarks" / "loopsim"
 PLANTS = sorted((LOOPSIM / "plants").glob("*.json"))
@@ -93,6 +94,9 @@ def test_a_bad_workload_names_the_field():
     with pytest.raises(SpecError, match="'quiet_windows'"):
         workload_from_dict({"name": "x", "kind": "steady", "rate_of_capacity": 1.0,
                             "quiet_windows": [[0.5, 2.0]]})  # fmt: skip
+    with pytest.raises(SpecError, match="'client_patience_of_ttft' must be positive"):
+        workload_from_dict({"name": "x", "kind": "steady", "rate_of_capacity": 1.0,
+                            "client_patience_of_ttft": 0})  # fmt: skip
 
 
 # --------------------------------------------------------------------------- workloads
@@ -108,6 +112,30 @@ def test_every_shipped_workload_builds_on_every_plant():
             assert built.rate > 0 and built.duration > 0
             arrivals = built.workload.requests(min(built.duration, 120.0), seed=1)
             assert next(arrivals, None) is not None, (p.name, w.name)
+
+
+def _overloaded_replica(patience: float | None) -> ReplicaSim:
+    """One slot, 40 requests at once: the queue outlasts any patience of a few steps."""
+    config = ReplicaConfig(max_num_seqs=1, client_patience_s=patience)
+    r = ReplicaSim("sim://r", config, CPU.model, start=0.0)
+    for i in range(40):
+        r.submit(Request(0.001 * i, 64, 16))
+    r.advance_to(30.0)
+    return r
+
+
+def test_clients_that_give_up_leave_the_queue_before_their_first_token():
+    step = CPU.model.step_seconds(1, 80, 0)
+    patient, impatient = _overloaded_replica(None), _overloaded_replica(1.0)
+    assert patient.abandoned == 0 and max(r.ttft for r in patient.done) > 5.0
+    assert impatient.abandoned > 30 and impatient.finished + impatient.abandoned == 40
+    # Whoever is served started within the patience (the last check is a step before).
+    assert max(r.first_token - r.arrival for r in impatient.done) < 1.0 + 3 * step
+    # W8's clients give up at half the plant's TTFT target.
+    w8 = load_workload(LOOPSIM / "workloads" / "w08-overload.json")
+    cpu = load_plant(LOOPSIM / "plants" / "cpu.json")
+    assert w8.client_patience(cpu) == 0.5 * cpu.ttft_target
+    assert load_workload(LOOPSIM / "workloads" / "w01-steady.json").client_patience(cpu) is None
 
 
 def test_todays_rates_are_about_0_96_of_the_start_settings_capacity():

@@ -581,10 +581,12 @@ def turn(w: Window, state: TunerState, now: float, spec=OVERLOAD_SPEC):
 
 
 def overload_raised() -> TunerState:
-    """16 -> 32 on a queue at an arrival rate the plan cannot carry (an overload raise)."""
+    """16 -> 32 on a backlog (its oldest request 5 s old against the 2 s TTFT target) at an
+    arrival rate the plan cannot carry (an overload raise)."""
     model = ready_model(demand=replace(DEMAND, rate=BUSY_DAY))
     state = TunerState(settings=EngineSettings(16), model=model)
-    w = replica(running=16, max_num_seqs=16, waiting=8, kv=0.1, arrivals=BUSY_DAY)
+    w = replica(running=16, max_num_seqs=16, waiting=8, kv=0.1, arrivals=BUSY_DAY,
+                oldest_waiting=5.0)  # fmt: skip
     d, state = turn(w, state, 1000.0)
     assert (d.action, d.kind, d.settings) == ("guard", "raise", EngineSettings(32)), d.reason
     assert "past the plan's 12: overloaded there" in d.reason
