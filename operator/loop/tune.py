@@ -11,8 +11,9 @@ Each turn:
    raises to the safe cap; KV thrash switches to fp8 when allowed; a latency miss the model
    blames on the batch lowers, unless it would undo a raise made past the plan on an
    overload that has not been gone for ``overload_clear_seconds`` (the memory of that
-   raise is ``TunerState.overload``). A thrash lower is tested at once instead (swaps can
-   cost less than the slots it gives up). Nothing else lowers capacity.
+   raise is ``TunerState.overload``). A thrash lower is applied at once to the model's KV
+   cap; before the model knows it, it is tested at once instead (swaps can cost less than
+   the slots it gives up). Nothing else lowers capacity.
 4. A planned change (planner.py), only when the model and demand are ready, on a new
    epoch or after ``replan_seconds``, outside a freeze (plant degraded, queue growing,
    a rollout under way), after ``dwell_seconds`` since any change, at most
@@ -106,9 +107,13 @@ def decide_tuning(
     inputs = inputs_of(window, view.replicas, settings, state, p)
     m, replicas = state.model, view.replicas
     thrash = guard.thrash(window, replicas, settings, spec, limits, p)
-    if thrash is not None and thrash.kind == "lower":
-        # Swaps can cost less than the slots a lower gives up: the thrash lower is tested
-        # at once (no dwell, no hourly budget), and reverted if it harms.
+    if thrash is not None and thrash.kind == "lower" and (p is None or p.kv_cap is None):
+        # Without the model's KV cap the lower goes to what the cache held at one peak, and
+        # swaps can cost less than the slots it gives up: tested at once (no dwell, no
+        # hourly budget), and reverted if it harms. With the cap (the model's mean
+        # occupancy puts today's setting past what the cache holds) it is a guardrail: a
+        # before/after test of a thrashing replica reads its backlog, not the lower (W9
+        # from static max: 0.066 -> 0.000 attainment, reverted, and 256 kept to the end).
         if state.blocked(Move(settings, "lower"), m.epoch) is None:
             return _start(view, state, settings, thrash, spec, now, inputs)
         thrash = None

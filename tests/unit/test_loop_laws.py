@@ -211,7 +211,8 @@ def decide(w: Window, spec=TUNE, settings=AT8, state: TunerState | None = None, 
 
 def guarded(w: Window, spec=TUNE, settings=AT8, state=None) -> tuple[str, EngineSettings]:
     """(kind, settings) of a guardrail's move, or ("hold", the settings in force). A thrash
-    lower is the one guardrail tested before it stays: its settings are the test's."""
+    lower before the model knows the KV cap is tested before it stays: its settings are the
+    test's."""
     d, st = decide(w, spec, settings, state)
     if st.experiment is not None:
         assert d.action == "try" and d.reason.startswith("testing: KV thrash"), d.reason
@@ -369,7 +370,20 @@ def test_thrash_lowers_to_what_the_kv_cache_held_at_most_halving():
     thrash = replace(thrash, max_num_seqs={R0: 64})
     assert guarded(thrash, settings=EngineSettings(64)) == ("lower", EngineSettings(32))
     d, _ = decide(thrash, settings=EngineSettings(64))
-    assert d.reason.startswith("testing: KV thrash:")  # tested at once: swaps may be cheap
+    # Tested at once: with no model the cap is one peak's, and swaps may be cheap.
+    assert d.reason.startswith("testing: KV thrash:")
+
+
+def test_thrash_past_the_models_kv_cap_lowers_at_once_without_a_test():
+    # 400 blocks of 16 tokens hold 20 sequences of 200 + 100 / 2 tokens at 85 %: the model
+    # puts 64 past what the cache holds, so the lower is a guardrail (at most halving). A
+    # before/after test of a thrashing replica reads its backlog, not the lower.
+    thrash = replica(R0, running=60, preemptions=20, kv=0.95, tokens=50, max_num_seqs=64,
+                     kv_blocks=400)  # fmt: skip
+    state = TunerState(settings=EngineSettings(64), model=ready_model())
+    d, after = decide(thrash, settings=EngineSettings(64), state=state)
+    assert (d.action, d.kind, d.settings) == ("guard", "lower", EngineSettings(32)), d.reason
+    assert d.reason.startswith("guardrail: KV thrash") and after.experiment is None
 
 
 def test_thrash_while_the_old_batch_drains_under_a_new_limit_holds():
