@@ -15,16 +15,18 @@
   only by the thrash or latency guardrail, never by a goodput window. The queue is the
   last turn's, so a long quiet spell does not average it away.
 - KV thrash (preemptions or swaps per 1,000 generated tokens over a bound, worst replica):
-  fp8 when allowed, else lower to the count the KV cache held, at most halving.
+  fp8 when allowed, else lower to the count the KV cache holds (the model's KV cap, else
+  the window's peak), at most halving.
 - Latency: fewer than ``latency_attainment`` of the window's requests met the TPOT target,
   and the model attributes it to the batch (its mean step at the running batch misses the
   target, and at the latency cap its TPOT is at least the planner's MIN_RELIEF less), on a
   healthy plant with no backlog and no growing queue (a backlog drains slower after a
   lower): lower to the latency cap, at most halving. A young queue does not hold it: the
-  queue guardrail raises no further than the plan the lower leads to. Not while an overload raise binds (``overload_after``): the raise past the plan
-  is remembered, and the lower waits until the overload has been gone (the arrival rate
-  within the plan's capacity, no queue) for ``overload_clear_seconds``; else the two took
-  turns, 32 <-> 64 every 30-60 s on a diurnal peak. A lower with no overload raise before
+  queue guardrail raises no further than the plan the lower leads to. Not while an
+  overload raise binds (``overload_after``): the raise past the plan is remembered, and
+  the lower waits until the overload has been gone (the arrival rate within the plan's
+  capacity, no queue) for ``overload_clear_seconds``; else the two took turns, 32 <-> 64
+  every 30-60 s on a diurnal peak. A lower with no overload raise before
   it (a TPOT target no batch can meet, a genuine latency breach) is not held.
 - LoRA-bound (MaxLorasBottleneck): a higher max_loras within tuning.maxLoras.
 Pure: no I/O, no clock.
