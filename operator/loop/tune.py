@@ -108,12 +108,9 @@ def decide_tuning(
     m, replicas = state.model, view.replicas
     thrash = guard.thrash(window, replicas, settings, spec, limits, p)
     if thrash is not None and thrash.kind == "lower" and (p is None or p.kv_cap is None):
-        # Without the model's KV cap the lower goes to what the cache held at one peak, and
-        # swaps can cost less than the slots it gives up: tested at once (no dwell, no
-        # hourly budget), and reverted if it harms. With the cap (the model's mean
-        # occupancy puts today's setting past what the cache holds) it is a guardrail: a
-        # before/after test of a thrashing replica reads its backlog, not the lower (W9
-        # from static max: 0.066 -> 0.000 attainment, reverted, and 256 kept to the end).
+        # A cap from one peak is weak, and swaps can cost less than the slots: tested at
+        # once, reverted if it harms. With the model's KV cap it is a guardrail: a test of a
+        # thrashing replica reads its backlog, not the lower (W9 from static max: reverted).
         if state.blocked(Move(settings, "lower"), m.epoch) is None:
             return _start(view, state, settings, thrash, spec, now, inputs)
         thrash = None
