@@ -145,8 +145,10 @@ def _register_inference_services(
     @kopf.on.resume(**mine, id="reconcile", backoff=5)
     @kopf.on.create(**mine, id="reconcile", backoff=5)
     @kopf.on.update(**mine, id="reconcile", backoff=5)
-    def on_change(namespace: str, name: str, logger: Any, **_: Any) -> None:
-        rec.reconcile_by_name(namespace, name, logger)
+    def on_change(reason: str, body: kopf.Body, logger: Any, **_: Any) -> None:
+        if reason == kopf.Reason.CREATE:  # maybe a replay (Reconciler.create_by_name)
+            return rec.create_by_name(plain(body), logger)
+        rec.reconcile_by_name(body.metadata.namespace, body.metadata.name, logger)
 
     @kopf.timer(
         **isvc,

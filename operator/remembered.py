@@ -27,6 +27,7 @@ class _Synced:
     generation: int
     loops: LoopState
     at: float  # monotonic
+    uid: str = ""  # the object's: one deleted and made again under its name is another
     # A later loop state found to build the very children this reconcile applied.
     same: LoopState | None = None
 
@@ -39,8 +40,8 @@ class Resyncs:
         self.clock = clock
         self._synced: dict[Key, _Synced] = {}
 
-    def good(self, key: Key, generation: int, loops: LoopState) -> None:
-        self._synced[key] = _Synced(generation, loops, self.clock())
+    def good(self, key: Key, generation: int, loops: LoopState, uid: str = "") -> None:
+        self._synced[key] = _Synced(generation, loops, self.clock(), uid)
 
     def forget(self, key: Key) -> None:
         self._synced.pop(key, None)
@@ -50,13 +51,15 @@ class Resyncs:
         synced = self._synced.get(key)
         return self.current(key, generation) and loops in (synced.loops, synced.same)
 
-    def current(self, key: Key, generation: int) -> bool:
-        """The last full reconcile found nothing wrong, was of this generation, and another
-        is not due yet (whatever the loop decided since)."""
+    def current(self, key: Key, generation: int, uid: str | None = None) -> bool:
+        """The last full reconcile found nothing wrong, was of this generation (and of
+        this object, given its uid), and another is not due yet (whatever the loop decided
+        since)."""
         synced = self._synced.get(key)
         return (
             synced is not None
             and synced.generation == generation
+            and uid in (None, synced.uid)
             and self.clock() - synced.at < self.period(key)
         )
 
