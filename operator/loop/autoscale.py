@@ -34,6 +34,7 @@ from batchpilot.operator.loop.observe import Window
 TOLERANCE = 0.1  # HPA's default: a ratio within 10% of 1 is no reason to move
 KV_USAGE_FLOOR = 0.05  # below this the KV cache says nothing about how many sequences fit
 SATURATED_QUEUE = 1.0  # mean waiting per replica over the window that counts as saturated
+MEASURE_SECONDS = 30.0  # a shorter window (one scrape after a change) measures no capacity
 # After a scale-up, further ones wait until the new pods serve (a queue cannot move to a pod
 # that is still loading its model), but not forever: a pod that never gets Ready within
 # this grace does not block the autoscaler.
@@ -109,19 +110,26 @@ CAPACITIES_KEPT = 8  # settings whose capacity figure is remembered
 
 
 def measured_capacities(
-    window: Window | None, history: ScaleHistory, settings: str
+    windows: Sequence[Window], history: ScaleHistory, settings: str
 ) -> tuple[tuple[str, float], ...]:
-    """A replica's sustainable generation rate under ``settings``, measured whenever the
-    replicas had a queue over the whole window (then they generate as fast as they can);
-    else the figures kept."""
-    if window is None or window.replicas == 0:
-        return history.capacities
-    saturated = window.per_replica(window.waiting) >= SATURATED_QUEUE
-    rate = window.per_replica(window.generation_tokens_per_second)
-    if not (saturated and rate > 0):
+    """A replica's sustainable generation rate under ``settings``: the mean rate of the
+    replicas (or merged windows, per replica) that had a queue both on average over their
+    window and at its latest scrape, as they then generate as fast as they can; else the
+    figures kept. A queue on average alone is not enough: one left over from a change,
+    drained early in the window, reads as saturation at a fraction of the capacity; so
+    is one scrape's queue of one."""
+    rates = [
+        w.per_replica(w.generation_tokens_per_second)
+        for w in windows
+        if w.replicas
+        and w.span_seconds >= MEASURE_SECONDS
+        and min(w.per_replica(w.waiting), w.per_replica(w.waiting_now)) >= SATURATED_QUEUE
+        and w.generation_tokens_per_second > 0
+    ]
+    if not rates:
         return history.capacities
     others = tuple((k, v) for k, v in history.capacities if k != settings)
-    return (*others, (settings, rate))[-CAPACITIES_KEPT:]
+    return (*others, (settings, sum(rates) / len(rates)))[-CAPACITIES_KEPT:]
 
 
 def recommend(
@@ -197,10 +205,15 @@ def decide_replicas(
     history: ScaleHistory = ScaleHistory(),
     settings: str = "",
     by_model: int | None = None,
+    measured: tuple[str, Sequence[Window]] | None = None,
 ) -> ScaleDecision:
-    """``settings``: the key of the engine settings in force (EngineSettings.key);
-    ``by_model``: the replicas the tuner's model sizes the service at."""
-    capacities = measured_capacities(window, history, settings)
+    """``settings``: the key of the engine settings the replicas run from now on
+    (EngineSettings.key), whose capacity figure bounds a scale-down; ``measured``: the key
+    of those that ran, and each replica's window since they were set, which a capacity is
+    measured in (``settings`` and ``window`` when None: nothing changed). ``by_model``:
+    the replicas the tuner's model sizes the service at."""
+    ran, since_set = measured or (settings, [window] if window is not None else [])
+    capacities = measured_capacities(since_set, history, ran)
     raw, why = recommend(window, spec, current, dict(capacities).get(settings), by_model)
     # A service seen for the first time has its current count as the only recommendation
     # so far: a first burst waits out the up-window like any other.

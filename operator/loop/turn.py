@@ -256,7 +256,17 @@ class ClosedLoop:
         if spec.tuning.enabled:
             tuner = self._tune(outcome, key, spec, tuner, settings, now, last.tuning_reason)
         if spec.autoscaling.enabled:
-            self._autoscale(outcome, window, spec, last.autoscaling, replicas, now, tuner, wake_at)
+            # A replica's capacity is measured under the settings that ran before this
+            # turn's decision, over the samples since they were set: not credited to those
+            # the tuner just chose, nor to a queue the old ones left behind.
+            ran = last.tuner
+            measured = (
+                ran.settings.key if ran.settings else "",
+                list(self.observer.replica_windows(key, since=ran.last_change).values()),
+            )
+            self._autoscale(
+                outcome, window, spec, last.autoscaling, replicas, now, tuner, wake_at, measured
+            )
         if spec.tuning.enabled:
             not_applied = None  # blind: nothing was applied, the last word on it stays
             if outcome.blind is None:
@@ -335,6 +345,7 @@ class ClosedLoop:
         now: float,
         tuner: TunerState,
         wake_at: float | None,
+        measured: tuple[str, list[Window]],
     ) -> None:
         if outcome.blind is not None:
             outcome.desired_replicas = replicas
@@ -354,7 +365,9 @@ class ClosedLoop:
             by_model = None
             if outcome.capacity and window is not None:
                 by_model = replicas_for(outcome.arrivals, outcome.capacity)
-            decision = decide_replicas(window, a, replicas, now, last.history, settings, by_model)
+            decision = decide_replicas(
+                window, a, replicas, now, last.history, settings, by_model, measured
+            )
             if idle.replicas == 0:
                 decision = replace(decision, replicas=0, reason=idle.reason)
             if decision.recommendation < replicas and outcome.scrape_failures:

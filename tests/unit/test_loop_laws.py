@@ -167,6 +167,30 @@ def test_capacity_is_measured_only_while_saturated_and_per_settings():
     assert d2.history.capacity(AT8_KEY) == 200 and d2.history.capacity(AT32_KEY) == 500
 
 
+def test_a_capacity_is_credited_to_the_settings_that_ran_not_to_those_just_chosen():
+    """The turn that raises max_num_seqs reads a window that ran at the old setting: the
+    rate measured in it is the old setting's (at 420 s of the step workload the GPU
+    plant's 2,435 tokens/s at 32 was filed under 143 and held four replicas where two
+    carried the load)."""
+    saturated = window(running=8, waiting=5, tokens=200)
+    d = decide_replicas(
+        saturated, SCALE, 1, 0.0, settings=AT32_KEY, measured=(AT8_KEY, [saturated])
+    )
+    assert d.history.capacity(AT8_KEY) == 200 and d.history.capacity(AT32_KEY) is None
+
+
+def test_a_queue_drained_in_the_window_or_seen_once_measures_no_capacity():
+    drained = replace(window(running=30, waiting=40, tokens=900), waiting_now=0.0)
+    once = window(running=20, waiting=1, tokens=300, span=15.0)
+    for w in (drained, once):
+        d = decide_replicas(w, SCALE, 1, 0.0, settings=AT32_KEY, measured=(AT32_KEY, [w]))
+        assert d.history.capacity(AT32_KEY) is None
+    # Per replica: the mean rate of those with a queue all through, not of every replica.
+    busy, idle = window(running=32, waiting=5, tokens=500), window(running=2, tokens=40)
+    d = decide_replicas(busy, SCALE, 2, 0.0, settings=AT32_KEY, measured=(AT32_KEY, [busy, idle]))
+    assert d.history.capacity(AT32_KEY) == 500
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     replicas=st.integers(1, 6),
