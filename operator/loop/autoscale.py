@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from batchpilot.operator.crd.autoscaling import AutoscalingSpec
 from batchpilot.operator.loop.observe import Window
+from batchpilot.operator.loop.tuner_state import EngineSettings
 
 TOLERANCE = 0.1  # HPA's default: a ratio within 10% of 1 is no reason to move
 KV_USAGE_FLOOR = 0.05  # below this the KV cache says nothing about how many sequences fit
@@ -93,11 +94,12 @@ class ScaleDownHold:
     unscraped: tuple[str, ...]
 
 
-def _slots_per_replica(window: Window) -> float | None:
-    """Sequences one replica runs at once: max_num_seqs, or what its KV cache holds at the
-    observed usage per running sequence, whichever is smaller."""
+def _slots_per_replica(window: Window, max_num_seqs: int | None = None) -> float | None:
+    """Sequences one replica runs at once: max_num_seqs (the one chosen, else the one the
+    replicas report), or what its KV cache holds at the observed usage per running
+    sequence, whichever is smaller."""
     running = window.per_replica(window.running)
-    slots = window.max_num_seqs_in_force
+    slots = max_num_seqs or window.max_num_seqs_in_force
     if window.kv_cache_usage > KV_USAGE_FLOOR and running > 0:
         kv_slots = running / window.kv_cache_usage
         slots = kv_slots if slots is None else min(slots, kv_slots)
@@ -138,23 +140,28 @@ def recommend(
     current: int,
     capacity: float | None,
     by_model: int | None = None,
+    max_num_seqs: int | None = None,
 ) -> tuple[int, str]:
     """The raw law: (replicas, why), before stabilization, steps and bounds. ``by_model``:
     the replicas the tuner's model sizes the service at (the decayed arrival rate over 0.8 x
     a replica's capacity within the SLO); the queue law is the fast guard, and the larger
-    of the two rules."""
-    raw, why = _queue_law(window, spec, current, capacity)
+    of the two rules. ``max_num_seqs``: the one the replicas run from now on."""
+    raw, why = _queue_law(window, spec, current, capacity, max_num_seqs)
     if by_model is not None and by_model > raw:
         return by_model, f"the model's capacity needs {by_model} replicas; the queue law: {why}"
     return raw, why
 
 
 def _queue_law(
-    window: Window | None, spec: AutoscalingSpec, current: int, capacity: float | None
+    window: Window | None,
+    spec: AutoscalingSpec,
+    current: int,
+    capacity: float | None,
+    max_num_seqs: int | None = None,
 ) -> tuple[int, str]:
     if window is None or window.replicas == 0:
         return current, "no metrics: holding"
-    slots = _slots_per_replica(window)
+    slots = _slots_per_replica(window, max_num_seqs)
     if not slots:
         return current, "idle replicas report no capacity figure: holding"
     demand = window.running_now + window.waiting_now
@@ -203,18 +210,20 @@ def decide_replicas(
     current: int,
     now: float,
     history: ScaleHistory = ScaleHistory(),
-    settings: str = "",
+    settings: EngineSettings | None = None,
     by_model: int | None = None,
     measured: tuple[str, Sequence[Window]] | None = None,
 ) -> ScaleDecision:
-    """``settings``: the key of the engine settings the replicas run from now on
-    (EngineSettings.key), whose capacity figure bounds a scale-down; ``measured``: the key
-    of those that ran, and each replica's window since they were set, which a capacity is
-    measured in (``settings`` and ``window`` when None: nothing changed). ``by_model``:
-    the replicas the tuner's model sizes the service at."""
-    ran, since_set = measured or (settings, [window] if window is not None else [])
+    """``settings``: the engine settings the replicas run from now on (None: what they
+    report), whose slots the queue law counts and whose capacity figure bounds a
+    scale-down; ``measured``: the key of those that ran, and each replica's window since
+    they were set, which a capacity is measured in (``settings`` and ``window`` when None:
+    nothing changed). ``by_model``: the replicas the tuner's model sizes the service at."""
+    key = settings.key if settings is not None else ""
+    ran, since_set = measured or (key, [window] if window is not None else [])
     capacities = measured_capacities(since_set, history, ran)
-    raw, why = recommend(window, spec, current, dict(capacities).get(settings), by_model)
+    mns = settings.max_num_seqs if settings is not None else None
+    raw, why = recommend(window, spec, current, dict(capacities).get(key), by_model, mns)
     # A service seen for the first time has its current count as the only recommendation
     # so far: a first burst waits out the up-window like any other.
     recommendations = history.recommendations or (Recommendation(current, now),)

@@ -361,12 +361,11 @@ class ClosedLoop:
             zero = 0 if idle.replicas is None else idle.replicas
             decision = ScaleDecision(zero, idle.reason, zero, last.history)
         else:
-            settings = tuner.settings.key if tuner.settings else ""
             by_model = None
             if outcome.capacity and window is not None:
                 by_model = replicas_for(outcome.arrivals, outcome.capacity)
             decision = decide_replicas(
-                window, a, replicas, now, last.history, settings, by_model, measured
+                window, a, replicas, now, last.history, tuner.settings, by_model, measured
             )
             if idle.replicas == 0:
                 decision = replace(decision, replicas=0, reason=idle.reason)

@@ -51,7 +51,7 @@ SCALE = AutoscalingSpec(
 
 
 def run_scaler(
-    w, current: int, ticks: int, interval=10.0, spec=SCALE, start=0.0, history=None, settings=""
+    w, current: int, ticks: int, interval=10.0, spec=SCALE, start=0.0, history=None, settings=None
 ):
     """Feed the same window (or ``w(current)``: a window of that many Ready replicas) every
     interval; apply each decision. Returns the replica counts."""
@@ -123,8 +123,8 @@ def test_kv_limited_replicas_count_the_sequences_their_kv_holds():
     assert d.recommendation == 2  # 28 / (10 + 4)
 
 
-AT8_KEY = EngineSettings(8).key
-AT32_KEY = EngineSettings(32).key
+AT8, AT32 = EngineSettings(8), EngineSettings(32)
+AT8_KEY, AT32_KEY = AT8.key, AT32.key
 
 
 def test_measured_capacity_blocks_a_scale_down_that_could_not_carry_the_load():
@@ -133,28 +133,26 @@ def test_measured_capacity_blocks_a_scale_down_that_could_not_carry_the_load():
     # over 90% of 250.
     busy = window(replicas=4, running=6, waiting=0, tokens=150, max_num_seqs=32)
     history = ScaleHistory((), ((AT32_KEY, 250.0),))
-    counts = run_scaler(busy, 4, ticks=60, history=history, settings=AT32_KEY)
+    counts = run_scaler(busy, 4, ticks=60, history=history, settings=AT32)
     assert min(counts) == 3  # ceil(600 / 225)
 
 
 def test_a_capacity_measured_under_other_settings_does_not_block_a_scale_down():
     busy = window(replicas=4, running=6, waiting=0, tokens=150, max_num_seqs=32)
     history = ScaleHistory((), ((AT8_KEY, 250.0),))  # measured at max_num_seqs 8
-    counts = run_scaler(busy, 4, ticks=60, history=history, settings=AT32_KEY)
+    counts = run_scaler(busy, 4, ticks=60, history=history, settings=AT32)
     assert min(counts) == 1  # by slots alone: 24 in the system, 36 per replica
     # ... and the figure under the other settings is kept, not overwritten.
-    d = decide_replicas(busy, SCALE, 4, 0.0, history, AT32_KEY)
+    d = decide_replicas(busy, SCALE, 4, 0.0, history, AT32)
     assert d.history.capacity(AT8_KEY) == 250.0 and d.history.capacity(AT32_KEY) is None
 
 
 def test_capacity_is_measured_only_while_saturated_and_per_settings():
     saturated = window(running=8, waiting=5, tokens=200)
-    d = decide_replicas(saturated, SCALE, 1, 0.0, settings=AT8_KEY)
+    d = decide_replicas(saturated, SCALE, 1, 0.0, settings=AT8)
     assert d.history.capacity(AT8_KEY) == 200 and d.history.capacity(AT32_KEY) is None
     calm = window(running=3, waiting=0, tokens=50)
-    assert (
-        decide_replicas(calm, SCALE, 1, 10.0, d.history, AT8_KEY).history.capacity(AT8_KEY) == 200
-    )
+    assert decide_replicas(calm, SCALE, 1, 10.0, d.history, AT8).history.capacity(AT8_KEY) == 200
     # Saturated under other settings: a second figure, the first one kept.
     d2 = decide_replicas(
         window(running=32, waiting=5, tokens=500, max_num_seqs=32),
@@ -162,7 +160,7 @@ def test_capacity_is_measured_only_while_saturated_and_per_settings():
         1,
         20.0,
         d.history,
-        AT32_KEY,
+        AT32,
     )
     assert d2.history.capacity(AT8_KEY) == 200 and d2.history.capacity(AT32_KEY) == 500
 
@@ -173,21 +171,27 @@ def test_a_capacity_is_credited_to_the_settings_that_ran_not_to_those_just_chose
     plant's 2,435 tokens/s at 32 was filed under 143 and held four replicas where two
     carried the load)."""
     saturated = window(running=8, waiting=5, tokens=200)
-    d = decide_replicas(
-        saturated, SCALE, 1, 0.0, settings=AT32_KEY, measured=(AT8_KEY, [saturated])
-    )
+    d = decide_replicas(saturated, SCALE, 1, 0.0, settings=AT32, measured=(AT8_KEY, [saturated]))
     assert d.history.capacity(AT8_KEY) == 200 and d.history.capacity(AT32_KEY) is None
+
+
+def test_the_queue_law_counts_the_slots_the_tuner_just_chose():
+    """One capacity model: in the turn the tuner raises max_num_seqs, the queue is sized
+    against the new slots, not the ones the replicas still report."""
+    w = window(running=8, waiting=20, max_num_seqs=8)  # 28 in the system
+    assert decide_replicas(w, SCALE, 1, 0.0).recommendation == 3  # 28 / (8 + 4)
+    assert decide_replicas(w, SCALE, 1, 0.0, settings=AT32).recommendation == 1  # 28 / 36
 
 
 def test_a_queue_drained_in_the_window_or_seen_once_measures_no_capacity():
     drained = replace(window(running=30, waiting=40, tokens=900), waiting_now=0.0)
     once = window(running=20, waiting=1, tokens=300, span=15.0)
     for w in (drained, once):
-        d = decide_replicas(w, SCALE, 1, 0.0, settings=AT32_KEY, measured=(AT32_KEY, [w]))
+        d = decide_replicas(w, SCALE, 1, 0.0, settings=AT32, measured=(AT32_KEY, [w]))
         assert d.history.capacity(AT32_KEY) is None
     # Per replica: the mean rate of those with a queue all through, not of every replica.
     busy, idle = window(running=32, waiting=5, tokens=500), window(running=2, tokens=40)
-    d = decide_replicas(busy, SCALE, 2, 0.0, settings=AT32_KEY, measured=(AT32_KEY, [busy, idle]))
+    d = decide_replicas(busy, SCALE, 2, 0.0, settings=AT32, measured=(AT32_KEY, [busy, idle]))
     assert d.history.capacity(AT32_KEY) == 500
 
 
