@@ -31,7 +31,7 @@ from batchpilot.operator.loop import guardrails as guard
 from batchpilot.operator.loop import verify
 from batchpilot.operator.loop.guardrails import Candidate, TuneLimits
 from batchpilot.operator.loop.observe import Window, merge_windows
-from batchpilot.operator.loop.planner import Bounds, Plan, plan, planned_move
+from batchpilot.operator.loop.planner import Bounds, Plan, plan, planned_move, replicas_for
 from batchpilot.operator.loop.state import TunerState
 from batchpilot.operator.loop.tuner_state import EngineSettings, Experiment, Move, TuneDecision
 from batchpilot.operator.loop.twin import budget_candidates, choose_budget
@@ -196,7 +196,21 @@ def _apply(state: TunerState, settings, spec, c: Candidate, now: float, inputs: 
     return d, replace(state, overload=overload).decided(d, None)
 
 
-def _frozen(view: View, spec, state: TunerState, now: float, limits: TuneLimits) -> str | None:
+def saves_replicas(view: View, spec, state: TunerState, settings, p: Plan) -> bool:
+    """A planned raise the autoscaler is paying for: the service runs more replicas than
+    the plan's capacity needs for the sustained arrivals. The dwell does not hold it: a
+    replica costs more than a change, which still passes its test on one replica first.
+    (The bursty GPU cell held a raise 64 -> 88 for 575 s on three replicas, where two
+    carried the load at 88.)"""
+    w = view.service
+    if not spec.autoscaling.enabled or w is None or p.max_num_seqs <= settings.max_num_seqs:
+        return False
+    need = replicas_for(state.model.demand.sustained, p.capacity)
+    return need is not None and w.replicas > need
+
+
+def _frozen(view: View, spec, state: TunerState, now: float, limits: TuneLimits,
+            waive_dwell: bool = False) -> str | None:  # fmt: skip
     m, w = state.model, view.service
     last = state.last_change
     if m.degraded(now):
@@ -206,7 +220,7 @@ def _frozen(view: View, spec, state: TunerState, now: float, limits: TuneLimits)
     if w is not None and len(set(w.max_num_seqs.values())) > 1:
         return "replicas run different settings (a rollout)"
     dwell = max(limits.dwell_seconds, spec.tuning.cooldown_seconds)
-    if last is not None and now - last < dwell:
+    if last is not None and now - last < dwell and not waive_dwell:
         return f"dwell: {dwell - (now - last):.0f} s left after the last change"
     if m.planned_in_last_hour(now) >= limits.planned_per_hour:
         return f"{limits.planned_per_hour} planned changes in the last hour already"
@@ -225,7 +239,8 @@ def _planned(view, spec, state: TunerState, settings, now, limits, p: Plan | Non
     )
     if not due:
         return _hold(state, settings, f"holding, nothing changed: {p.why}", now, inputs)
-    if (why := _frozen(view, spec, state, now, limits)) is not None:
+    waive = saves_replicas(view, spec, state, settings, p)
+    if (why := _frozen(view, spec, state, now, limits, waive)) is not None:
         return _hold(state, settings, f"a plan is due, held: {why}; {p.why}", now, inputs)
     state = replace(
         state, planned_epoch=m.epoch, planned_at=now, planned_requests=m.demand.requests

@@ -242,6 +242,20 @@ def test_no_planned_change_within_the_dwell_after_any_change():
     assert d.action == "canary"
 
 
+def test_the_dwell_does_not_hold_a_planned_raise_the_autoscaler_pays_for():
+    """Three replicas where the plan's capacity needs fewer: the raise is tested now, not
+    after the dwell. Without autoscaling, or on the one replica, it waits."""
+    last = TuneDecision("guard", AT8, "guardrail: queue", 1000.0 - 300, "raise")
+    st = replace(ready(), history=(last,))
+    scaled = SPEC.model_copy(
+        update={"autoscaling": SPEC.autoscaling.model_copy(update={"enabled": True})}
+    )
+    d, st2 = turn(quiet(3), st, spec=scaled)
+    assert d.action == "canary" and st2.experiment.after == PLANNED, d.reason
+    assert "dwell" in turn(quiet(3), st)[0].reason
+    assert "dwell" in turn(quiet(1), st, spec=scaled)[0].reason  # one replica is the least
+
+
 def test_at_most_the_planned_changes_an_hour():
     st = ready(planned=(1000.0 - 3000, 1000.0 - 1000))
     d, _ = turn(quiet(2), st)
