@@ -7,9 +7,14 @@ every watcher of the object). So a turn writes at once only its milestones, what
 act on or read as a decision: the settings and replicas the reconcile builds from, an
 experiment begun or ended, a verdict, a scale decision or hold, the loop going blind, the
 plant's condition flipping, anything it posted an Event about. The rest is held here, is
-what the next turn starts from, and is written at most every ``status_interval`` seconds.
-A standby that takes over reads what was written: it loses at most that much of the
-windows' figures, never a decision.
+what the next turn starts from, and is written at most every ``status_interval`` seconds,
+and not while the service rolls out (Progressing): the reconcile writes status then, as
+replicas come up, and a rollout's windows are no figures to read. At 1,000 services made
+together these routine writes were an estimated 60% of the status patches before all were
+Ready, each one an event the operator's own watch then processed. A rollout ends, or its
+progress deadline ends it, so the figures wait a bounded time. A standby that takes over
+reads what was written: it loses at most that much of the windows' figures, never a
+decision.
 
 Whose status a turn starts from: its own held one while the object's loop keys are one of
 this process's recent writes; anyone else's write to them (another operator replica that
@@ -26,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batchpilot.operator.loop.state import LoopState
-from batchpilot.operator.status import plant_degraded
+from batchpilot.operator.status import find_condition, plant_degraded
 
 LOOP_KEYS = ("metrics", "tuning", "autoscaling")
 _WRITES_KEPT = 8  # own writes a lagging watch may still show
@@ -100,6 +105,11 @@ def milestones(status: dict, now: float) -> tuple:
     )
 
 
+def rolling_out(status: dict) -> bool:
+    """Is the service's rollout under way (its Progressing condition)?"""
+    return (find_condition(status, "Progressing") or {}).get("status") == "True"
+
+
 @dataclass
 class _Held:
     loop: dict  # the loop keys as the last turn left them
@@ -140,7 +150,7 @@ class StatusMemory:
             held.writes.append(fingerprint(before))
         held.loop = {k: after[k] for k in LOOP_KEYS if k in after}
         held.pending = compose(held.pending, patch)
-        due = self.clock() - held.written_at >= self.interval
+        due = self.clock() - held.written_at >= self.interval and not rolling_out(before)
         if not (urgent or due or milestones(before, now) != milestones(after, now)):
             return None
         out, held.pending, held.written_at = held.pending, {}, self.clock()

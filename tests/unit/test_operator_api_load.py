@@ -80,6 +80,30 @@ def test_figures_are_held_and_written_once_per_interval():
     assert stored["metrics"]["waiting"] == 4
 
 
+def test_figures_wait_while_the_service_rolls_out_and_decisions_do_not():
+    """1,000 services made together: the turns' figures are not written until each
+    service's rollout ends; a decision is, and the first turn after the rollout writes."""
+    clock = Clock()
+    memory = StatusMemory(60, clock)
+    progressing = {"conditions": [{"type": "Progressing", "status": "True"}]}
+    writes = []
+    for turn in range(8):  # two minutes of a rollout
+        patch = memory.record(KEY, memory.current(KEY, progressing), figures(turn, f"t{turn}"),
+                              False, 0.0)  # fmt: skip
+        writes.append(patch)
+        clock.now += 15
+    assert writes[0] is not None  # its first decision (2 replicas) goes at once
+    assert writes[1:] == [None] * 7
+    scale = {"autoscaling": {"desiredReplicas": 3}}
+    decided = memory.record(KEY, memory.current(KEY, progressing), scale, False, 0.0)
+    assert decided["autoscaling"]["desiredReplicas"] == 3
+    assert decided["metrics"]["waiting"] == 7  # the held figures go with the decision
+    done = merge_patch({"conditions": [{"type": "Progressing", "status": "False"}]}, decided)
+    clock.now += 61
+    after = memory.record(KEY, memory.current(KEY, done), figures(9, "t9"), False, 0.0)
+    assert after is not None and after["metrics"]["waiting"] == 9
+
+
 def first_write() -> tuple[Clock, StatusMemory, dict]:
     """A memory after its first turn (always written) and the status that write left."""
     clock = Clock()
