@@ -9,10 +9,10 @@ experiment begun or ended, a verdict, a scale decision or hold, the loop going b
 plant's condition flipping, anything it posted an Event about. The rest is held here, is
 what the next turn starts from, and is written at most every ``status_interval`` seconds,
 and not while the service rolls out (Progressing): the reconcile writes status then, as
-replicas come up, and a rollout's windows are no figures to read. At 1,000 services made
-together these routine writes were an estimated 60% of the status patches before all were
-Ready, each one an event the operator's own watch then processed. A rollout ends, or its
-progress deadline ends it, so the figures wait a bounded time. A standby that takes over
+replicas come up, and a rollout's windows are no figures to read. With 1,000 services made
+together this took 620 of the 5,660 status patches made before all were Ready, each one
+an event the operator's own watch then processed. A rollout ends, or its progress
+deadline ends it, so the figures wait a bounded time. A standby that takes over
 reads what was written: it loses at most that much of the windows' figures, never a
 decision.
 
