@@ -176,12 +176,17 @@ def planned_move(p: Plan, fit: Fit, demand: Demand, target: float, current: int)
     return None
 
 
+def capacity_batch(fit: Fit, demand: Demand, target: float, n: int, bounds: Bounds) -> int:
+    """The batch a replica's capacity at max_num_seqs ``n`` is made at: a full one at ``n``,
+    or at the latency cap when ``n`` is past it (requests admitted beyond the cap miss
+    their target and add nothing)."""
+    return max(1, min(n, latency_cap(fit, demand, target, bounds, None)))
+
+
 def capacity_at(fit: Fit, demand: Demand, target: float, n: int, bounds: Bounds) -> float:
     """Requests per second one replica completes within the TPOT target at max_num_seqs
-    ``n``: a full batch at ``n``, or at the latency cap when ``n`` is past it (requests
-    admitted beyond the cap miss their target and add nothing)."""
-    lat = latency_cap(fit, demand, target, bounds, None)
-    n = max(1, min(n, lat))
+    ``n``, at its capacity_batch."""
+    n = capacity_batch(fit, demand, target, n, bounds)
     t = tpot_mean(fit, n, demand)
     return n / (max(demand.output_mean, 1.0) * t) if t > 0 else 0.0
 

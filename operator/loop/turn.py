@@ -50,7 +50,7 @@ from batchpilot.operator.loop.autoscale import (
 from batchpilot.operator.loop.guardrails import TuneLimits
 from batchpilot.operator.loop.idle import decide_idle
 from batchpilot.operator.loop.observe import Observer, RoundResult, Window
-from batchpilot.operator.loop.planner import Bounds, capacity_at, replicas_for
+from batchpilot.operator.loop.planner import Bounds, capacity_at, capacity_batch, replicas_for
 from batchpilot.operator.loop.scrape import MetricsSource
 from batchpilot.operator.loop.state import AutoscalingStatus, LoopStatus, TunerState
 from batchpilot.operator.loop.timestamps import timestamp
@@ -85,6 +85,7 @@ class LoopOutcome:
     apply_failures: dict[str, str] = field(default_factory=dict)  # URL -> why
     blind: str | None = None  # why the loop decided nothing, when it could not see
     capacity: float | None = None  # requests/s a replica completes within the SLO (the model's)
+    capacity_seen: bool = False  # at a batch the model has seen, not by extrapolation
     arrivals: float = 0.0  # the model's sustained arrivals per second to the service
 
     def event(self, reason: str, message: str) -> None:
@@ -185,16 +186,29 @@ def tuning_event(decision: TuneDecision, last_reason: str) -> tuple[str, str] | 
 
 def model_capacity(
     tuner: TunerState, spec: InferenceServiceSpec, settings: EngineSettings
-) -> float | None:
+) -> tuple[float | None, bool]:
     """Requests/s one replica completes within the SLO at ``settings``, from the tuner's
-    model (None before it is ready): the capacity the autoscaler sizes replicas with."""
+    model (None before it is ready): the capacity the autoscaler sizes replicas with; and
+    whether the model has seen a batch that large (else the figure is its extrapolation)."""
     m = tuner.model
     fit = m.fit()
     if fit is None or not m.demand.ready:
-        return None
+        return None, False
     b = spec.tuning.max_num_seqs
-    return capacity_at(fit, m.per_replica(), spec.itl_target_seconds, settings.max_num_seqs,
-                       Bounds(b.min, b.max))  # fmt: skip
+    args = (fit, m.per_replica(), spec.itl_target_seconds, settings.max_num_seqs,
+            Bounds(b.min, b.max))  # fmt: skip
+    return capacity_at(*args), fit.model.max_batch >= capacity_batch(*args)
+
+
+def sized_by_model(outcome: LoopOutcome, replicas: int) -> int | None:
+    """The replicas the model's capacity sizes the service at, None without one. Past the
+    batches the model has seen, its capacity is an extrapolation that errs low (GPU
+    mismatch plant, steady load: a third replica for 5 minutes after a raise, where the
+    queue law needed 0.8 of one): then it may hold replicas, not add them."""
+    if not outcome.capacity:
+        return None
+    wanted = replicas_for(outcome.arrivals, outcome.capacity)
+    return wanted if outcome.capacity_seen else min(wanted, replicas)
 
 
 def live_targets(tuner: TunerState, urls: list[str]) -> dict[str, EngineSettings]:
@@ -326,7 +340,9 @@ class ClosedLoop:
             )
             decision, tuner = decide_tuning(view, spec, tuner, in_force, now, self.limits)
         outcome.tuning = decision
-        outcome.capacity = model_capacity(tuner, spec, tuner.settings or in_force)
+        outcome.capacity, outcome.capacity_seen = model_capacity(
+            tuner, spec, tuner.settings or in_force
+        )
         outcome.arrivals = tuner.model.demand.sustained
         for change in tuner.model.changes:
             plant = change.startswith("plant changed")
@@ -362,8 +378,8 @@ class ClosedLoop:
             decision = ScaleDecision(zero, idle.reason, zero, last.history)
         else:
             by_model = None
-            if outcome.capacity and window is not None:
-                by_model = replicas_for(outcome.arrivals, outcome.capacity)
+            if window is not None:
+                by_model = sized_by_model(outcome, replicas)
             decision = decide_replicas(
                 window, a, replicas, now, last.history, tuner.settings, by_model, measured
             )

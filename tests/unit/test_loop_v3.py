@@ -43,6 +43,7 @@ from batchpilot.operator.loop.plant import HALF_LIFE_SECONDS, MIN_STEPS, StepMod
 from batchpilot.operator.loop.state import TunerState
 from batchpilot.operator.loop.tune import View, decide_tuning
 from batchpilot.operator.loop.tuner_state import EngineSettings, OverloadRaise, Score, Tally
+from batchpilot.operator.loop.turn import LoopOutcome, model_capacity, sized_by_model
 from batchpilot.operator.loop.twin import choose_budget
 from tests.support.loop import (
     BETA,
@@ -381,6 +382,24 @@ def test_capacity_and_the_replicas_it_asks_for():
     assert 0 < capacity_at(fit, DEMAND, TARGET, 4, BOUNDS) < at_cap
     assert replicas_for(3.0, 1.0) == 4  # sized to 80 % of capacity
     assert replicas_for(0.1, 1.0) == 1 and replicas_for(3.0, 0.0) is None
+
+
+def test_the_model_adds_replicas_only_on_a_capacity_at_batches_it_has_seen():
+    """Seen up to batch 16: its capacity at max_num_seqs 8 is measured, at 64 (a batch of
+    32, its reach) extrapolated. An extrapolated capacity may hold replicas, not add."""
+    tuner = TunerState(model=ready_model())
+    spec = parse_spec({"tuning": {"enabled": True, "maxNumSeqs": {"min": 1, "max": 64}},
+                       "slo": {"interTokenLatencySeconds": 0.1}})  # fmt: skip
+    at8, seen8 = model_capacity(tuner, spec, EngineSettings(8))
+    at64, seen64 = model_capacity(tuner, spec, EngineSettings(64))
+    assert seen8 and not seen64 and at64 > at8 > 0
+    busy = LoopOutcome(status_patch={}, desired_replicas=None, tuning=None,
+                       capacity=at64, arrivals=4 * at64)  # fmt: skip
+    assert sized_by_model(busy, 2) == 2 < replicas_for(busy.arrivals, at64)  # held, not added
+    assert sized_by_model(busy, 9) == 5  # the surplus past it may go
+    seen = replace(busy, capacity_seen=True)
+    assert sized_by_model(seen, 2) == replicas_for(busy.arrivals, at64) == 5
+    assert sized_by_model(replace(busy, capacity=None), 2) is None
 
 
 # A GPU-like plant (6.5 ms a step, 35 us a prefill token) under long prompts and short
