@@ -10,11 +10,11 @@ plant's condition flipping, anything it posted an Event about. The rest is held 
 what the next turn starts from, and is written at most every ``status_interval`` seconds,
 and not while the service rolls out (Progressing): the reconcile writes status then, as
 replicas come up, and a rollout's windows are no figures to read. With 1,000 services made
-together this took 620 of the 5,660 status patches made before all were Ready, each one
-an event the operator's own watch then processed. A rollout ends, or its progress
-deadline ends it, so the figures wait a bounded time. A standby that takes over
-reads what was written: it loses at most that much of the windows' figures, never a
-decision.
+together this cut the status patches made before all were Ready from 5,660 to 5,040 and
+5,230 (two runs), each one an event the operator's own watch then processed. A rollout
+ends, or its progress deadline ends it, so the figures wait a bounded time. A standby
+that takes over reads what was written: it loses at most that much of the windows'
+figures, never a decision.
 
 Whose status a turn starts from: its own held one while the object's loop keys are one of
 this process's recent writes; anyone else's write to them (another operator replica that
