@@ -186,9 +186,13 @@ def capacity_batch(fit: Fit, demand: Demand, target: float, n: int, bounds: Boun
 def capacity_at(fit: Fit, demand: Demand, target: float, n: int, bounds: Bounds) -> float:
     """Requests per second one replica completes within the TPOT target at max_num_seqs
     ``n``, at its capacity_batch."""
-    n = capacity_batch(fit, demand, target, n, bounds)
-    t = tpot_mean(fit, n, demand)
-    return n / (max(demand.output_mean, 1.0) * t) if t > 0 else 0.0
+    return capacity_in(fit, demand, capacity_batch(fit, demand, target, n, bounds))
+
+
+def capacity_in(fit: Fit, demand: Demand, batch: int) -> float:
+    """Requests per second one replica completes running a full ``batch``."""
+    t = tpot_mean(fit, batch, demand)
+    return batch / (max(demand.output_mean, 1.0) * t) if t > 0 else 0.0
 
 
 UTILISATION = 0.8  # replicas are sized to run at this share of their capacity

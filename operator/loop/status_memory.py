@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batchpilot.operator.loop.state import LoopState
-from batchpilot.operator.status import find_condition, plant_degraded
+from batchpilot.operator.status import PROGRESSING, find_condition, plant_degraded
 
 LOOP_KEYS = ("metrics", "tuning", "autoscaling")
 _WRITES_KEPT = 8  # own writes a lagging watch may still show
@@ -107,7 +107,7 @@ def milestones(status: dict, now: float) -> tuple:
 
 def rolling_out(status: dict) -> bool:
     """Is the service's rollout under way (its Progressing condition)?"""
-    return (find_condition(status, "Progressing") or {}).get("status") == "True"
+    return (find_condition(status, PROGRESSING) or {}).get("status") == "True"
 
 
 @dataclass

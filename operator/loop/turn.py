@@ -50,7 +50,7 @@ from batchpilot.operator.loop.autoscale import (
 from batchpilot.operator.loop.guardrails import TuneLimits
 from batchpilot.operator.loop.idle import decide_idle
 from batchpilot.operator.loop.observe import Observer, RoundResult, Window
-from batchpilot.operator.loop.planner import Bounds, capacity_at, capacity_batch, replicas_for
+from batchpilot.operator.loop.planner import Bounds, capacity_batch, capacity_in, replicas_for
 from batchpilot.operator.loop.scrape import MetricsSource
 from batchpilot.operator.loop.state import AutoscalingStatus, LoopStatus, TunerState
 from batchpilot.operator.loop.timestamps import timestamp
@@ -194,10 +194,10 @@ def model_capacity(
     fit = m.fit()
     if fit is None or not m.demand.ready:
         return None, False
-    b = spec.tuning.max_num_seqs
-    args = (fit, m.per_replica(), spec.itl_target_seconds, settings.max_num_seqs,
-            Bounds(b.min, b.max))  # fmt: skip
-    return capacity_at(*args), fit.model.max_batch >= capacity_batch(*args)
+    b, demand = spec.tuning.max_num_seqs, m.per_replica()
+    batch = capacity_batch(fit, demand, spec.itl_target_seconds, settings.max_num_seqs,
+                           Bounds(b.min, b.max))  # fmt: skip
+    return capacity_in(fit, demand, batch), fit.model.max_batch >= batch
 
 
 def sized_by_model(outcome: LoopOutcome, replicas: int) -> int | None:
