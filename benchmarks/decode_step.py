@@ -4,7 +4,7 @@
 with the CPU decode kernel on and off in turn, whatever start-up chose, so a shared
 machine's drifting load hits both alike; `--rope-ab` does the same for the fused rotary +
 K/V write (server/model/cpu_rope.py) against torch's ops, and `--fused-ab` the fused decode
-step (server/model/cpu_layer.py: one C++ call a layer) against the layer-by-layer one. Run it under different `taskset` pinnings to see
+step (server/model/cpu_layer.py: the layers in one C++ call) against the layer-by-layer one. Run it under different `taskset` pinnings to see
 what the thread count costs on a loaded machine, e.g.
 `taskset -c 1 .venv/bin/python benchmarks/decode_step.py`. `--no-malloc-tuning` leaves
 glibc's malloc as it comes (server/platform/cpu_malloc.py), for an A/B of its page faults."""

@@ -84,18 +84,25 @@ static void rows(const at::BFloat16* x, const at::BFloat16* w, const float* bias
   }
 }
 
-// x: [m, k] bf16; w: [n, k] bf16, n % 4 == 0, k % 32 == 0; bias: [n] float32 or empty
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
-  x = x.contiguous();
+// Tiles [begin, end) of four weight rows each of y = x w^T + bias: one thread's share.
+// x: [m, k] bf16, contiguous; w: [n, k] bf16, n % 4 == 0, k % 32 == 0; bias: [n] float32 or
+// empty; y: [m, n] bf16.
+static void gemv_tiles(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
+                       torch::Tensor& y, int64_t begin, int64_t end) {
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  auto y = torch::empty({m, n}, x.options());
   const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* wp = w.data_ptr<at::BFloat16>();
   auto* yp = y.data_ptr<at::BFloat16>();
+  for (int64_t t = begin; t < end; ++t) rows(xp, wp, b, yp, m, k, n, t * 4);
+}
+
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
+  x = x.contiguous();
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
   // Contiguous ranges of weight rows per thread, so each streams its own part once.
-  at::parallel_for(0, n / 4, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) rows(xp, wp, b, yp, m, k, n, t * 4);
+  at::parallel_for(0, w.size(0) / 4, 16, [&](int64_t begin, int64_t end) {
+    gemv_tiles(x, w, bias, y, begin, end);
   });
   return y;
 }

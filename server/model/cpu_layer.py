@@ -1,13 +1,15 @@
-"""One C++ call per decoder layer for the CPU's small decode steps: the fused decode step.
+"""The CPU's small decode steps' layers in one C++ call: the fused decode step.
 
 At one decoding sequence a bf16 layer's kernels (two norms, four GEMVs, the rotary and
 K/V write, the attention) run in about 280 µs on a 2-core EPYC, most of it the weights
-streaming, and the Python and torch dispatch around them cost about 80 µs more: a fifth
-of the step. For a decode-only step of up to GEMV_MAX_ROWS sequences, with no adapter
-rows, this runs each layer as one call into a module that holds the same four kernels
-(cpu_norm, cpu_gemv, cpu_rope, cpu_decode: their sources compiled together here), called
-in the same order on the same tensors, so the step's logits are the same bit for bit as
-the layer-by-layer path's (tests/unit/engine/test_cpu_layer.py).
+streaming. Called one by one they left the second thread idle a third of the step: each
+kernel forks and joins its own parallel region, and the Python and torch dispatch between
+them (about 70 µs a layer) runs on one thread. For a decode-only step of up to
+GEMV_MAX_ROWS sequences, with no adapter rows, this runs all the layers in one call into a
+module that holds the same four kernels (cpu_norm, cpu_gemv, cpu_rope, cpu_decode: their
+sources compiled together here), inside one parallel region, called in the same order on
+the same tensors, so the step's logits are the same bit for bit as the layer-by-layer
+path's (tests/unit/engine/test_cpu_layer.py).
 
 It serves bf16 Llama-family models whose projections took cpu_gemv's kernel and whose
 norms and MLP are plain Llama's (not Gemma's offset norm or GELU, not Qwen3's q/k norms),
@@ -38,30 +40,91 @@ INCLUDES = sorted(set(re.findall(r"^#include .*$", "".join(m.SOURCE for m in KER
                                  flags=re.MULTILINE)))  # fmt: skip
 
 LAYER = r"""
-// x: [n, hidden] (the previous layer's MLP output, or the embeddings with residual empty);
-// w: input norm, qkv, its float32 bias (or empty), o, bias, post-attention norm, gate_up,
-// bias, down, bias; caches [kv_heads, slots, dim] of this layer -> {MLP output, residual}:
-// LlamaDecoder's layer, step for step.
-std::vector<torch::Tensor> decode_layer(torch::Tensor x, torch::Tensor residual,
-                                        std::vector<torch::Tensor> w, torch::Tensor cos,
-                                        torch::Tensor sin, torch::Tensor k_cache,
-                                        torch::Tensor v_cache, torch::Tensor slots,
-                                        torch::Tensor tables, torch::Tensor lens, int64_t heads,
-                                        int64_t block_size, double scale, double eps) {
-  auto normed = norm::add_rms_norm(x, residual, w[0], eps, false);
-  if (residual.numel() == 0) normed[1] = x;
-  auto qkv = gemv::gemv_bf16(normed[0], w[1], w[2]);
-  const int64_t n = x.size(0), kv_heads = k_cache.size(0), dim = k_cache.size(2);
-  auto qk = qkv.narrow(1, 0, (heads + kv_heads) * dim).view({n, heads + kv_heads, dim});
-  auto v = qkv.narrow(1, (heads + kv_heads) * dim, kv_heads * dim).view({n, kv_heads, dim});
-  rope::rope_and_cache(qk, v, cos, sin, k_cache, v_cache, slots, heads);
-  auto attn = decode::paged_decode(qk.narrow(1, 0, heads), k_cache, v_cache, tables, lens,
-                                   block_size, scale);
-  auto post = norm::add_rms_norm(gemv::gemv_bf16(attn, w[3], w[4]), normed[1], w[5], eps, false);
-  auto gate_up = gemv::gemv_bf16(post[0], w[6], w[7]);
-  const int64_t inter = gate_up.size(1) / 2;
-  auto act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
-  return {gemv::gemv_bf16(act, w[8], w[9]), post[1]};
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/util/ParallelGuard.h>
+#include <omp.h>
+
+// [begin, end) of `total` tasks for thread `tid` of `threads`: even contiguous shares.
+static std::pair<int64_t, int64_t> share(int64_t total, int64_t tid, int64_t threads) {
+  const int64_t chunk = (total + threads - 1) / threads;
+  return {std::min(total, tid * chunk), std::min(total, (tid + 1) * chunk)};
+}
+
+// x: [n, hidden], the embeddings; w: per layer its input norm, qkv, its float32 bias (or
+// empty), o, bias, post-attention norm, gate_up, bias, down, bias (10 a layer); caches:
+// [layers, kv_heads, slots, dim] -> {the last layer's MLP output, its residual}: LlamaDecoder's
+// layers, kernel for kernel, in one parallel region. Every thread runs every layer: it takes
+// its share of each GEMV's weight rows and of the attention's (sequence, KV head) tasks, and
+// computes the norms and the SwiGLU of the step's few rows itself (microseconds of work,
+// less than a barrier to share them; the same bits in every thread). Only the rotary and
+// K/V write runs on one thread. Six barriers a layer where the layer-by-layer path forks and
+// joins five parallel regions, and no Python between the layers.
+std::vector<torch::Tensor> decode_step(torch::Tensor x, std::vector<torch::Tensor> w,
+                                       torch::Tensor cos, torch::Tensor sin,
+                                       torch::Tensor k_caches, torch::Tensor v_caches,
+                                       torch::Tensor slots, torch::Tensor tables,
+                                       torch::Tensor lens, int64_t heads, int64_t block_size,
+                                       double scale, double eps) {
+  const int64_t n = x.size(0), layers = k_caches.size(0), kv_heads = k_caches.size(1);
+  const int64_t slots_per_head = k_caches.size(2), dim = k_caches.size(3);
+  const int64_t qk_width = (heads + kv_heads) * dim, inter = w[6].size(0) / 2;
+  // Shared outputs, each written in one phase and read in the next (a barrier between).
+  auto qkv = torch::empty({n, w[1].size(0)}, x.options());
+  auto attn = torch::empty({n, heads * dim}, x.options());
+  auto o = torch::empty({n, w[3].size(0)}, x.options());
+  auto gate_up = torch::empty({n, w[6].size(0)}, x.options());
+  auto down = torch::empty({n, w[8].size(0)}, x.options());
+  auto qk = qkv.narrow(1, 0, qk_width).view({n, heads + kv_heads, dim});
+  auto v = qkv.narrow(1, qk_width, kv_heads * dim).view({n, kv_heads, dim});
+  torch::Tensor q, residual;
+  // The thread count torch was set to in this thread, as at::parallel_for reads it (a thread
+  // of the server's other than the one that set it would otherwise run every CPU's worth);
+  // no num_threads clause, for the reason ATen gives (GOMP's thread pool).
+  at::internal::lazy_init_num_threads();
+#pragma omp parallel
+  {
+    c10::InferenceMode mode;  // the caller's mode, in the workers too
+    c10::ParallelGuard nested(true);  // torch ops called here run on the calling thread
+    const int64_t tid = omp_get_thread_num(), threads = omp_get_num_threads();
+    auto gemv = [&](const torch::Tensor& in, int64_t i, torch::Tensor& out) {
+      auto [begin, end] = share(w[i].size(0) / 4, tid, threads);
+      gemv::gemv_tiles(in, w[i], w[i + 1], out, begin, end);
+    };
+    torch::Tensor own_residual = torch::empty({0}, x.options()), input = x;
+    for (int64_t l = 0; l < layers; ++l) {
+      const torch::Tensor* lw = w.data() + l * 10;
+      auto normed = norm::add_rms_norm(input, own_residual, lw[0], eps, false);
+      if (own_residual.numel() == 0) normed[1] = input;
+      gemv(normed[0], l * 10 + 1, qkv);
+#pragma omp barrier
+#pragma omp single
+      {
+        rope::rope_and_cache(qk, v, cos, sin, k_caches[l], v_caches[l], slots, heads);
+        q = qk.narrow(1, 0, heads).contiguous();
+      }
+      auto [first, last] = share(n * kv_heads, tid, threads);
+      decode::decode_rows<at::BFloat16>(
+          q.data_ptr<at::BFloat16>(), k_caches[l].data_ptr<at::BFloat16>(),
+          v_caches[l].data_ptr<at::BFloat16>(), tables.data_ptr<int64_t>(),
+          lens.data_ptr<int64_t>(), attn.data_ptr<at::BFloat16>(), heads, kv_heads, dim,
+          slots_per_head, tables.size(1), block_size, (float)scale, first, last);
+#pragma omp barrier
+      gemv(attn, l * 10 + 3, o);
+#pragma omp barrier
+      auto post = norm::add_rms_norm(o, normed[1], lw[5], eps, false);
+      gemv(post[0], l * 10 + 6, gate_up);
+#pragma omp barrier
+      auto act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
+      gemv(act, l * 10 + 8, down);
+#pragma omp barrier
+      own_residual = post[1];
+      input = down;
+    }
+#pragma omp master
+    residual = own_residual;
+  }
+  return {down, residual};
 }
 """
 
@@ -72,7 +135,7 @@ SOURCE = "\n".join([*INCLUDES, *(_region(name, m) for name, m in KERNELS.items()
 # intrinsics, which reassociation leaves alone; the rotary rounds each product to bf16
 # before the add, so there is nothing to contract into an FMA (its float32 instance, which
 # cpu_rope builds with -ffp-contract=off, never runs here).
-KERNEL = cpu_kernels.Kernel("cpu_layer", SOURCE, "decode_layer", "fused decode layer",
+KERNEL = cpu_kernels.Kernel("cpu_layer", SOURCE, "decode_step", "fused decode step",
                             cpu_decode.CFLAGS, ("-fopenmp",), cpu_kernels.BF16)  # fmt: skip
 
 
@@ -85,7 +148,7 @@ def load():
 
 
 def _weights(layer) -> list[torch.Tensor] | None:
-    """The layer's tensors in decode_layer's order, or None where it is not plain Llama's
+    """The layer's tensors in decode_step's order, or None where it is not plain Llama's
     on cpu_gemv's kernel."""
     projections = [getattr(layer, name) for name in cpu_gemv.PROJECTIONS]
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -100,12 +163,11 @@ def _weights(layer) -> list[torch.Tensor] | None:
 
 
 class FusedDecode:
-    """The model's forward for the steps it fits, one decode_layer call a layer."""
+    """The model's forward for the steps it fits: its layers in one decode_step call."""
 
     def __init__(self, model, weights: list[list[torch.Tensor]]):
         self.model = model
-        self.weights = weights
-        self.empty = model.lm_head.weight.new_empty(0)
+        self.weights = [t for layer in weights for t in layer]  # decode_step's flat order
 
     @classmethod
     def of(cls, model) -> "FusedDecode | None":
@@ -127,12 +189,10 @@ class FusedDecode:
 
     def __call__(self, input_ids, positions, kv: KVCache, meta: AttentionMetadata,
                  logits_index: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        model, run = self.model, load().decode_layer
-        bucket, layer0 = meta.decode_buckets[0], model.layers[0]
-        (x, cos, sin), residual = model.embed(input_ids, positions), self.empty
-        eps = layer0.input_layernorm.eps
-        for i, weights in enumerate(self.weights):
-            x, residual = run(x, residual, weights, cos, sin, kv.k[i], kv.v[i],
-                              meta.slot_mapping, bucket.blocks, bucket.context_lens,
-                              layer0.num_heads, kv.block_size, layer0.scale, eps)  # fmt: skip
+        model, bucket, layer0 = self.model, meta.decode_buckets[0], self.model.layers[0]
+        x, cos, sin = model.embed(input_ids, positions)
+        x, residual = load().decode_step(x, self.weights, cos, sin, kv.k, kv.v,
+                                         meta.slot_mapping, bucket.blocks, bucket.context_lens,
+                                         layer0.num_heads, kv.block_size, layer0.scale,
+                                         layer0.input_layernorm.eps)  # fmt: skip
         return model.logits(x, residual, logits_index)

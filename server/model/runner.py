@@ -79,7 +79,7 @@ class ModelRunner:
             self.linear_backend = (cpu_gemv.apply(model, config.linear_backend)
                                    or cpu_linear.apply(model, config.linear_backend))  # fmt: skip
             cpu_norm.load()  # loaded now, before Ready, not in the first request's step
-        # Small decode steps as one C++ call a layer (bf16 on the GEMV kernel only).
+        # Small decode steps' layers as one C++ call (bf16 on the GEMV kernel only).
         self.fused = cpu_layer.FusedDecode.of(model) if self.linear_backend == "gemv" else None
         self.graphs: DecodeGraphs | None = None  # captured at the first decode-only step
         kv_dtype = storage_dtype(config.kv_cache_dtype, model.lm_head.weight.dtype)

@@ -32,7 +32,7 @@ KERNELS = {
     "batchpilot.server.model.cpu_norm": "residual add + RMSNorm (nine torch ops)",
     "batchpilot.server.model.cpu_rope": "rotary + K/V cache write (nine torch ops)",
     "batchpilot.server.model.cpu_gemv": "bf16 projections up to 8 rows (torch's F.linear)",
-    "batchpilot.server.model.cpu_layer": "a decode layer in one call (the layer's Python)",
+    "batchpilot.server.model.cpu_layer": "a decode step's layers in one call (their Python)",
     "batchpilot.server.lora.cpu_lora": "LoRA products (four torch ops a projection)",
 }
 

@@ -1,4 +1,4 @@
-"""The fused decode step (one C++ call a layer): the logits of the layer-by-layer path bit
+"""The fused decode step (the layers in one C++ call): the logits of the layer-by-layer path bit
 for bit at every row count it takes, greedy tokens as transformers gives them, and every
 step it must not take (prefills, big batches, adapter rows, fp8 caches, other families)
 left to the model's own forward."""
