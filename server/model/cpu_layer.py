@@ -51,8 +51,10 @@ static std::pair<int64_t, int64_t> share(int64_t total, int64_t tid, int64_t thr
   return {std::min(total, tid * chunk), std::min(total, (tid + 1) * chunk)};
 }
 
-// x: [n, hidden], the embeddings; w: per layer its input norm, qkv, its float32 bias (or
-// empty), o, bias, post-attention norm, gate_up, bias, down, bias (10 a layer); caches:
+constexpr int64_t LAYER_TENSORS = 10;  // _weights' list, per layer
+
+// x: [n, hidden], the embeddings; w: per layer (LAYER_TENSORS each) its input norm, qkv, its
+// float32 bias (or empty), o, bias, post-attention norm, gate_up, bias, down, bias; caches:
 // [layers, kv_heads, slots, dim] -> {the last layer's MLP output, its residual}: LlamaDecoder's
 // layers, kernel for kernel, in one parallel region. Every thread runs every layer: it takes
 // its share of each GEMV's weight rows and of the attention's (sequence, KV head) tasks, and
@@ -93,10 +95,10 @@ std::vector<torch::Tensor> decode_step(torch::Tensor x, std::vector<torch::Tenso
     };
     torch::Tensor own_residual = torch::empty({0}, x.options()), input = x;
     for (int64_t l = 0; l < layers; ++l) {
-      const torch::Tensor* lw = w.data() + l * 10;
+      const torch::Tensor* lw = w.data() + l * LAYER_TENSORS;
       auto normed = norm::add_rms_norm(input, own_residual, lw[0], eps, false);
       if (own_residual.numel() == 0) normed[1] = input;
-      gemv(normed[0], l * 10 + 1, qkv);
+      gemv(normed[0], l * LAYER_TENSORS + 1, qkv);
 #pragma omp barrier
 #pragma omp single
       {
@@ -110,13 +112,13 @@ std::vector<torch::Tensor> decode_step(torch::Tensor x, std::vector<torch::Tenso
           lens.data_ptr<int64_t>(), attn.data_ptr<at::BFloat16>(), heads, kv_heads, dim,
           slots_per_head, tables.size(1), block_size, (float)scale, first, last);
 #pragma omp barrier
-      gemv(attn, l * 10 + 3, o);
+      gemv(attn, l * LAYER_TENSORS + 3, o);
 #pragma omp barrier
       auto post = norm::add_rms_norm(o, normed[1], lw[5], eps, false);
-      gemv(post[0], l * 10 + 6, gate_up);
+      gemv(post[0], l * LAYER_TENSORS + 6, gate_up);
 #pragma omp barrier
       auto act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
-      gemv(act, l * 10 + 8, down);
+      gemv(act, l * LAYER_TENSORS + 8, down);
 #pragma omp barrier
       own_residual = post[1];
       input = down;
