@@ -17,7 +17,8 @@ Each turn:
 4. A planned change (planner.py), only when the model and demand are ready, on a new
    epoch or after ``replan_seconds``, outside a freeze (plant degraded, queue growing,
    a rollout under way), after ``dwell_seconds`` since any change, at most
-   ``planned_per_hour``, and never a move that failed its test under the same epoch. With
+   ``planned_per_hour``, and never a move that failed its test under the same epoch. A
+   planned lower also waits while requests queue (it would cut what drains them). With
    two or more replicas it runs on one replica chosen at random first, against the others.
 """
 
@@ -242,10 +243,17 @@ def _planned(view, spec, state: TunerState, settings, now, limits, p: Plan | Non
     waive = saves_replicas(view, spec, state, settings, p)
     if (why := _frozen(view, spec, state, now, limits, waive)) is not None:
         return _hold(state, settings, f"a plan is due, held: {why}; {p.why}", now, inputs)
+    c = _candidate(p, state, spec, settings, view, limits)
+    if c is not None and c.kind == "lower" and (q := _queued(m)) >= limits.min_waiting:
+        # The plan stays due: it is made again once the queue has drained. A lower now
+        # cuts the capacity draining it: after a neighbour's episode (W7, CPU mismatch
+        # plant), a planned lower 41 -> 18 met the episode's backlog, the queue guardrail
+        # raised 18 -> 64 a turn later, and the overload memory kept 64 to the end.
+        why = f"{c.reason}, held: {q:.1f} waiting per replica, a lower waits for the queue to drain"
+        return _hold(state, settings, why, now, inputs)
     state = replace(
         state, planned_epoch=m.epoch, planned_at=now, planned_requests=m.demand.requests
     )
-    c = _candidate(p, state, spec, settings, view, limits)
     if c is None:
         return _hold(state, settings, f"planned, no move: {p.why}", now, inputs)
     if state.blocked(Move(settings, c.kind), m.epoch) is not None:
@@ -253,6 +261,11 @@ def _planned(view, spec, state: TunerState, settings, now, limits, p: Plan | Non
         return _hold(state, settings, why, now, inputs)
     state = replace(state, model=m.with_planned(now))
     return _start(view, state, settings, c, spec, now, inputs)
+
+
+def _queued(m) -> float:
+    """Waiting per replica at the latest turn."""
+    return m.queue[-1] if m.queue else 0.0
 
 
 def _candidate(p: Plan, state, spec, s: EngineSettings, view: View, limits) -> Candidate | None:

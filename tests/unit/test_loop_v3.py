@@ -680,6 +680,28 @@ def test_a_genuine_latency_breach_with_no_overload_raise_before_it_still_lowers(
     assert state.overload is None
 
 
+def calm(waiting: float = 0.0, kv_blocks: int | None = None) -> Window:
+    """At 32, 20 running, every request within the 60 ms TPOT target (no guardrail)."""
+    return replica(running=20, max_num_seqs=32, waiting=waiting, target=0.06, arrivals=1.0,
+                   kv_blocks=kv_blocks)  # fmt: skip
+
+
+def test_a_planned_lower_waits_while_requests_queue_and_goes_once_they_drained():
+    # The KV cache holds about 20 sequences of this workload (390 blocks): a lower to the
+    # plan (12) is due. With nobody waiting it is tested at once. With 4 waiting per replica
+    # (a backlog left by a neighbour) it is held, and the plan stays due: the next turn,
+    # the queue drained, it goes.
+    state = TunerState(settings=EngineSettings(32), model=ready_model())
+    d, _ = turn(calm(kv_blocks=390), state, 1000.0)
+    assert (d.action, d.kind, d.settings) == ("try", "lower", EngineSettings(12)), d.reason
+    d, state = turn(calm(4.0, kv_blocks=390), state, 1000.0)
+    assert (d.action, d.settings) == ("hold", EngineSettings(32)), d.reason
+    assert d.reason.endswith("held: 4.0 waiting per replica, a lower waits for the queue to drain")
+    assert "planned: max_num_seqs 32 -> 12" in d.reason
+    d, state = turn(calm(kv_blocks=390), state, 1015.0)
+    assert (d.action, d.kind, d.settings) == ("try", "lower", EngineSettings(12)), d.reason
+
+
 KIND_SPEC = parse_spec(  # kind-tests/test_kind_tuning.py's service
     {
         "engine": {"maxNumSeqs": 4},
