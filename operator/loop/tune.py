@@ -35,9 +35,10 @@ from batchpilot.operator.loop.observe import Window, merge_windows
 from batchpilot.operator.loop.planner import Bounds, Plan, plan, planned_move, replicas_for
 from batchpilot.operator.loop.state import TunerState
 from batchpilot.operator.loop.tuner_state import EngineSettings, Experiment, Move, TuneDecision
-from batchpilot.operator.loop.twin import budget_candidates, choose_budget
+from batchpilot.operator.loop.twin import budget_candidates, choose_budget, lower_pays
 
 LIVE_KINDS = ("raise", "lower", "raise_budget", "lower_budget")
+DEFAULT_BUDGET = 2048  # the server's step budget when neither the spec nor a replica says
 
 
 @dataclass(frozen=True)
@@ -243,7 +244,7 @@ def _planned(view, spec, state: TunerState, settings, now, limits, p: Plan | Non
     waive = saves_replicas(view, spec, state, settings, p)
     if (why := _frozen(view, spec, state, now, limits, waive)) is not None:
         return _hold(state, settings, f"a plan is due, held: {why}; {p.why}", now, inputs)
-    c = _candidate(p, state, spec, settings, view, limits)
+    c, refused = _candidate(p, state, spec, settings, view, limits)
     if c is not None and c.kind == "lower" and (q := _queued(m)) >= limits.min_waiting:
         # The plan stays due: it is made again once the queue has drained. A lower now
         # cuts the capacity draining it: after a neighbour's episode (W7, CPU mismatch
@@ -255,7 +256,8 @@ def _planned(view, spec, state: TunerState, settings, now, limits, p: Plan | Non
         state, planned_epoch=m.epoch, planned_at=now, planned_requests=m.demand.requests
     )
     if c is None:
-        return _hold(state, settings, f"planned, no move: {p.why}", now, inputs)
+        why = f"planned, no move: {p.why}" + (f"; {refused}" if refused else "")
+        return _hold(state, settings, why, now, inputs)
     if state.blocked(Move(settings, c.kind), m.epoch) is not None:
         why = f"{c.reason}, but it failed its test under this model"
         return _hold(state, settings, why, now, inputs)
@@ -268,9 +270,11 @@ def _queued(m) -> float:
     return m.queue[-1] if m.queue else 0.0
 
 
-def _candidate(p: Plan, state, spec, s: EngineSettings, view: View, limits) -> Candidate | None:
+def _candidate(p: Plan, state, spec, s: EngineSettings, view: View,
+               limits) -> tuple[Candidate | None, str]:  # fmt: skip
+    """The planned move, or None, and why a lower the planner wanted was not made."""
     if (c := guard.fp8_off(view.service, view.replicas, s, spec, limits)) is not None:
-        return c
+        return c, ""
     m = state.model
     new = planned_move(p, m.fit(), m.per_replica(), spec.itl_target_seconds, s.max_num_seqs)
     kv_holds = p.kv_cap is None or p.kv_cap >= s.max_num_seqs
@@ -281,12 +285,28 @@ def _candidate(p: Plan, state, spec, s: EngineSettings, view: View, limits) -> C
         budget = _budget(state, spec, s, confirm=False)
         if budget is not None and budget.kind == "lower_budget":
             why = f"{budget.reason} (before max_num_seqs {s.max_num_seqs} -> {new})"
-            return replace(budget, reason=why)
+            return replace(budget, reason=why), ""
+        # Fewer slots only where the twin predicts they pay, under all three step models:
+        # the planner's full batch is the worst case, and below capacity the batch rarely
+        # fills (from the best start, lowers it was sure of cost 1-2 % of the run).
+        pays, facts = _lower_pays(state, spec, s, view, new)
+        if not pays:
+            return _budget(state, spec, s), f"no lower to {new}: {facts}"
+        p = replace(p, why=f"{p.why}; {facts}")
     if new is not None and new != s.max_num_seqs:
         kind = "raise" if new > s.max_num_seqs else "lower"
         why = f"planned: max_num_seqs {s.max_num_seqs} -> {new}; {p.why}"
-        return Candidate(kind, replace(s, max_num_seqs=new), why)
-    return _budget(state, spec, s)
+        return Candidate(kind, replace(s, max_num_seqs=new), why), ""
+    return _budget(state, spec, s), ""
+
+
+def _lower_pays(state, spec, s: EngineSettings, view: View, new: int) -> tuple[bool, str]:
+    """The twin's verdict on a lower for latency, at the step budget the replicas run."""
+    budget = s.max_num_batched_tokens or max(view.service.max_num_batched_tokens.values(),
+                                              default=DEFAULT_BUDGET)  # fmt: skip
+    m = state.model
+    return lower_pays(m.fit(), m.per_replica(), s.max_num_seqs, new, budget,
+                      spec.ttft_target_seconds, spec.itl_target_seconds)  # fmt: skip
 
 
 def _budget(state: TunerState, spec, s: EngineSettings, confirm: bool = True) -> Candidate | None:

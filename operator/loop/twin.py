@@ -150,6 +150,30 @@ def choose_budget(fit: Fit, demand: Demand, mns: int, today: int, candidates: li
     return BudgetChoice(best, mean, f"twin goodput by budget ({facts} tokens/s): {today} -> {best}")
 
 
+def lower_pays(fit: Fit, demand: Demand, today: int, to: int, budget: int, ttft: float,
+               tpot: float) -> tuple[bool, str]:  # fmt: skip
+    """Whether fewer slots (``today`` -> ``to``) predict more goodput: by the margin with
+    the mean step model and no less with its lower and upper bounds (paired, as for the
+    budget). A lower the TPOT model is sure of can still lose: the batch is full less often
+    than the planner's worst case assumes, and every slot given up queues a request."""
+    runs = [arrivals(demand, s) for s in SEEDS]
+
+    def score(step, mns: int) -> float:
+        return sum(goodput(step, r, mns, budget, ttft, tpot) for r in runs) / len(runs)
+
+    def upper(n, c, p):
+        return fit.upper(n, c, p) or 2 * fit.mean(n, c, p)
+
+    now, then = score(fit.mean, today), score(fit.mean, to)
+    facts = f"twin goodput {now:.1f} tokens/s at {today}, {then:.1f} at {to}"
+    if then < MARGIN * now:
+        return False, facts
+    for name, step in (("upper", upper), ("lower", fit.lower)):
+        if score(step, to) < score(step, today):
+            return False, f"{facts}, but not with the model's {name} bound"
+    return True, facts
+
+
 def budget_candidates(low: int, high: int, mns: int) -> list[int]:
     """Powers of two within the bounds, and the bounds, never under max_num_seqs (a step
     holds one token of every running sequence)."""

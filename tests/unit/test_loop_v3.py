@@ -44,7 +44,7 @@ from batchpilot.operator.loop.state import TunerState
 from batchpilot.operator.loop.tune import View, decide_tuning
 from batchpilot.operator.loop.tuner_state import EngineSettings, OverloadRaise, Score, Tally
 from batchpilot.operator.loop.turn import LoopOutcome, model_capacity, sized_by_model
-from batchpilot.operator.loop.twin import choose_budget
+from batchpilot.operator.loop.twin import choose_budget, lower_pays
 from tests.support.loop import (
     BETA,
     DEMAND,
@@ -425,7 +425,9 @@ def long_prompt_candidate(kv_blocks: int | None = None):
     w = replica(running=64, max_num_seqs=64, budget=2048, kv_blocks=kv_blocks)
     p = tune._plan(state, CHUNKED_SPEC, state.settings, w)
     lower = planned_move(p, model.fit(), model.per_replica(), 0.025, 64)
-    c = tune._candidate(p, state, CHUNKED_SPEC, state.settings, View(w, {"r0": w}, w), TuneLimits())
+    view = View(w, {"r0": w}, w)
+    c, refused = tune._candidate(p, state, CHUNKED_SPEC, state.settings, view, TuneLimits())
+    assert refused == ""
     return lower, c
 
 
@@ -684,6 +686,25 @@ def calm(waiting: float = 0.0, kv_blocks: int | None = None) -> Window:
     """At 32, 20 running, every request within the 60 ms TPOT target (no guardrail)."""
     return replica(running=20, max_num_seqs=32, waiting=waiting, target=0.06, arrivals=1.0,
                    kv_blocks=kv_blocks)  # fmt: skip
+
+
+def test_a_planned_lower_for_latency_is_made_only_where_the_twin_predicts_it_pays():
+    # The model's lower bound at 32 misses 60 ms, so the planner wants its latency cap (12).
+    # At 1 request/s the batch never nears 12: the twin predicts the same goodput at both,
+    # so no lower (v3 as first built tested it, and from the best start such lowers cost 1-2 %).
+    state = TunerState(settings=EngineSettings(32), model=ready_model())
+    d, _ = turn(calm(), state, 1000.0)
+    assert (d.action, d.settings) == ("hold", EngineSettings(32)), d.reason
+    assert "no lower to 12: twin goodput 84.9 tokens/s at 32, 84.9 at 12" in d.reason
+    # At 3 requests/s the twin's mean model prefers 16 (228 against 172 tokens/s) but its
+    # upper bound does not: still no lower.
+    fit, busy = state.model.fit(), replace(DEMAND, rate=3.0)
+    assert lower_pays(fit, busy, 32, 16, 2048, 2.0, 0.06) == (
+        False, "twin goodput 171.8 tokens/s at 32, 228.3 at 16, but not with the model's upper bound"
+    )  # fmt: skip
+    # At 4, where 32 holds too many (8.8 tokens/s), the lower and upper bounds disagree on 16.
+    pays, why = lower_pays(fit, replace(DEMAND, rate=4.0), 32, 16, 2048, 2.0, 0.06)
+    assert not pays and why.endswith("but not with the model's lower bound"), why
 
 
 def test_a_planned_lower_waits_while_requests_queue_and_goes_once_they_drained():
