@@ -12,11 +12,6 @@ from batchpilot.server.kv.events_config import KVEventsConfig, parse_kv_events_c
 
 GiB = 1 << 30
 MAX_RESOLVER_DIR_CHARS = 4096
-# A CPU computes a 2048-token step in over a second: when 16 closed-loop requests arrive
-# together, their prefills filled one such step and every stream waited for it (guidellm:
-# TTFT 1.7-2.0 s against 0.15 s alone); 512 spreads them over shorter steps (0.68-0.75 s,
-# throughput the same within the noise).
-DEFAULT_STEP_TOKENS = {"cuda": 2048, "cpu": 512}
 
 
 class ConfigError(ValueError):
@@ -175,7 +170,8 @@ class EngineConfig:
         if self.linear_backend == "onednn" and device_type != "cpu":
             raise ConfigError("linear_backend onednn runs on CPUs only")
         if self.max_num_batched_tokens is None:
-            budget = DEFAULT_STEP_TOKENS.get(device_type, DEFAULT_STEP_TOKENS["cpu"])
+            defaults = names.DEFAULT_STEP_TOKENS
+            budget = defaults.get(device_type, defaults["cpu"])
             if not self.enable_chunked_prefill:
                 budget = max(budget, self.max_model_len)
             self.max_num_batched_tokens = budget

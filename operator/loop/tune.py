@@ -27,6 +27,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 
+from batchpilot import names
 from batchpilot.operator.crd.spec import InferenceServiceSpec
 from batchpilot.operator.loop import guardrails as guard
 from batchpilot.operator.loop import verify
@@ -38,7 +39,6 @@ from batchpilot.operator.loop.tuner_state import EngineSettings, Experiment, Mov
 from batchpilot.operator.loop.twin import budget_candidates, choose_budget, lower_pays
 
 LIVE_KINDS = ("raise", "lower", "raise_budget", "lower_budget")
-DEFAULT_BUDGET = 2048  # the server's step budget when neither the spec nor a replica says
 
 
 @dataclass(frozen=True)
@@ -303,7 +303,7 @@ def _candidate(p: Plan, state, spec, s: EngineSettings, view: View,
 def _lower_pays(state, spec, s: EngineSettings, view: View, new: int) -> tuple[bool, str]:
     """The twin's verdict on a lower for latency, at the step budget the replicas run."""
     budget = s.max_num_batched_tokens or max(view.service.max_num_batched_tokens.values(),
-                                              default=DEFAULT_BUDGET)  # fmt: skip
+                                              default=names.DEFAULT_STEP_TOKENS["cuda"])  # fmt: skip
     m = state.model
     return lower_pays(m.fit(), m.per_replica(), s.max_num_seqs, new, budget,
                       spec.ttft_target_seconds, spec.itl_target_seconds)  # fmt: skip

@@ -116,6 +116,21 @@ def goodput(step: Callable[[float, float, float], float], reqs, mns: int, budget
     return good / SECONDS
 
 
+def replayed(step, runs, mns: int, budget: int, ttft: float, tpot: float) -> float:
+    """The twin's goodput at (mns, budget), averaged over the replays in ``runs``."""
+    return sum(goodput(step, r, mns, budget, ttft, tpot) for r in runs) / len(runs)
+
+
+def bounds_of(fit: Fit) -> tuple[tuple[str, Callable[[float, float, float], float]], ...]:
+    """The step model's upper and lower bounds, by name. Past the model's reach the upper
+    bound refuses; twice the mean stands in for it there."""
+
+    def upper(n, c, p):
+        return fit.upper(n, c, p) or 2 * fit.mean(n, c, p)
+
+    return (("upper", upper), ("lower", fit.lower))
+
+
 @dataclass(frozen=True)
 class BudgetChoice:
     budget: int | None  # None: keep today's
@@ -132,18 +147,14 @@ def choose_budget(fit: Fit, demand: Demand, mns: int, today: int, candidates: li
     runs = [arrivals(demand, s) for s in SEEDS]
 
     def score(step, budget: int) -> float:
-        return sum(goodput(step, r, mns, budget, ttft, tpot) for r in runs) / len(runs)
-
-    def upper(n, c, p):
-        return fit.upper(n, c, p) or 2 * fit.mean(n, c, p)
+        return replayed(step, runs, mns, budget, ttft, tpot)
 
     mean = {b: score(fit.mean, b) for b in sorted({*candidates, today})}
     best = max(mean, key=lambda b: (mean[b], -abs(b - today)))
     facts = ", ".join(f"{b}: {g:.1f}" for b, g in mean.items())
     if best == today or mean[best] < MARGIN * mean[today]:
         return BudgetChoice(None, mean, f"twin goodput by budget ({facts} tokens/s): keep {today}")
-    bounds = (("upper", upper), ("lower", fit.lower)) if confirm else ()
-    for name, step in bounds:
+    for name, step in bounds_of(fit) if confirm else ():
         if score(step, best) < score(step, today):
             why = f"twin: {best} wins with the mean step model ({facts}) but not with its {name} bound"
             return BudgetChoice(None, mean, why)
@@ -159,16 +170,13 @@ def lower_pays(fit: Fit, demand: Demand, today: int, to: int, budget: int, ttft:
     runs = [arrivals(demand, s) for s in SEEDS]
 
     def score(step, mns: int) -> float:
-        return sum(goodput(step, r, mns, budget, ttft, tpot) for r in runs) / len(runs)
-
-    def upper(n, c, p):
-        return fit.upper(n, c, p) or 2 * fit.mean(n, c, p)
+        return replayed(step, runs, mns, budget, ttft, tpot)
 
     now, then = score(fit.mean, today), score(fit.mean, to)
     facts = f"twin goodput {now:.1f} tokens/s at {today}, {then:.1f} at {to}"
     if then < MARGIN * now:
         return False, facts
-    for name, step in (("upper", upper), ("lower", fit.lower)):
+    for name, step in bounds_of(fit):
         if score(step, to) < score(step, today):
             return False, f"{facts}, but not with the model's {name} bound"
     return True, facts
