@@ -277,9 +277,10 @@ def _candidate(p: Plan, state, spec, s: EngineSettings, view: View,
         return c, ""
     m = state.model
     new = planned_move(p, m.fit(), m.per_replica(), spec.itl_target_seconds, s.max_num_seqs)
-    kv_holds = p.kv_cap is None or p.kv_cap >= s.max_num_seqs
-    if new is not None and new < s.max_num_seqs and kv_holds:
-        # A lower for latency: a smaller step budget first, when the twin's mean model
+    if new is not None and new < s.max_num_seqs and (p.kv_cap is None or new < p.kv_cap):
+        # A lower for latency (past what the KV cache needs; a KV cap of 231 under 256
+        # once let a lower to 16 skip every test below, GPU heavy prefill from the
+        # over-provisioned start): a smaller step budget first, when the twin's mean model
         # prefers one. It shortens the steps long prompts stretch without cutting how many
         # requests run, and either move is a tested trial, so the mean verdict suffices.
         budget = _budget(state, spec, s, confirm=False)
@@ -291,13 +292,21 @@ def _candidate(p: Plan, state, spec, s: EngineSettings, view: View,
         # fills (from the best start, lowers it was sure of cost 1-2 % of the run).
         pays, facts = _lower_pays(state, spec, s, view, new)
         if not pays:
-            return _budget(state, spec, s), f"no lower to {new}: {facts}"
+            return _kv_lower(p, s) or _budget(state, spec, s), f"no lower to {new}: {facts}"
         p = replace(p, why=f"{p.why}; {facts}")
     if new is not None and new != s.max_num_seqs:
         kind = "raise" if new > s.max_num_seqs else "lower"
         why = f"planned: max_num_seqs {s.max_num_seqs} -> {new}; {p.why}"
         return Candidate(kind, replace(s, max_num_seqs=new), why), ""
     return _budget(state, spec, s), ""
+
+
+def _kv_lower(p: Plan, s: EngineSettings) -> Candidate | None:
+    """The part of a lower the KV cache asks for on its own: to the most sequences it holds."""
+    if p.kv_cap is None or p.kv_cap >= s.max_num_seqs:
+        return None
+    why = f"planned: max_num_seqs {s.max_num_seqs} -> {p.kv_cap}, what the KV cache holds; {p.why}"
+    return Candidate("lower", replace(s, max_num_seqs=p.kv_cap), why)
 
 
 def _lower_pays(state, spec, s: EngineSettings, view: View, new: int) -> tuple[bool, str]:

@@ -2,8 +2,9 @@
 fitted workload replayed through the fitted step model. No formula transfers between
 machines here (one chunk per step suits a GPU, fewer larger chunks a CPU with a large
 per-step overhead), so each candidate budget is scored by the per-request goodput the twin
-predicts, on the same arrivals (common random numbers), with the mean and with the upper
-bound of the step model; a budget wins only if it beats today's under both by a margin.
+predicts, on the same arrivals (common random numbers), with the mean and with the bounds
+of the step model; a budget wins only if it beats today's by a margin with the mean and
+does not lose with either bound. Fewer slots for latency pass the same test.
 
 The replica: continuous batching with chunked prefill as the server schedules it (decodes
 first, one token each; the rest of the budget goes to prompts in arrival order, a new one
@@ -23,7 +24,12 @@ from batchpilot.operator.loop.plant import Fit
 
 SECONDS = 120.0  # simulated per candidate
 SEEDS = (1,)
-MARGIN = 1.05  # a new budget must predict this x today's goodput, with both step models
+MARGIN = 1.05  # a new budget must predict this x today's goodput with the mean step model
+# With either bound a move must only not lose: within this of today's goodput is a tie. The
+# replay counts whole requests, and under the optimistic bound every setting meets the SLO
+# for nearly all of them (CPU heavy prefill from budget 128: 31.4 at 512 against 31.6 at
+# 128 tokens/s, one request apart, kept 128 where 512 is 1.25x better).
+TIE = 0.98
 MAX_REQUESTS = 1500  # a cap on the twin's work at high rates
 
 
@@ -142,7 +148,7 @@ def choose_budget(fit: Fit, demand: Demand, mns: int, today: int, candidates: li
                   ttft: float, tpot: float, *, confirm: bool = True) -> BudgetChoice:  # fmt: skip
     """The budget to move to, or None. The twin's verdict must hold across the model's
     uncertainty: the winner beats today's by the margin with the mean step model, and
-    (with ``confirm``) is no worse with the model's lower and upper bounds (the same plant
+    (with ``confirm``) does not lose (``TIE``) with the model's lower and upper bounds (the same plant
     error moves every candidate, so the comparison is paired)."""
     runs = [arrivals(demand, s) for s in SEEDS]
 
@@ -155,7 +161,7 @@ def choose_budget(fit: Fit, demand: Demand, mns: int, today: int, candidates: li
     if best == today or mean[best] < MARGIN * mean[today]:
         return BudgetChoice(None, mean, f"twin goodput by budget ({facts} tokens/s): keep {today}")
     for name, step in bounds_of(fit) if confirm else ():
-        if score(step, best) < score(step, today):
+        if score(step, best) < TIE * score(step, today):
             why = f"twin: {best} wins with the mean step model ({facts}) but not with its {name} bound"
             return BudgetChoice(None, mean, why)
     return BudgetChoice(best, mean, f"twin goodput by budget ({facts} tokens/s): {today} -> {best}")
@@ -164,7 +170,7 @@ def choose_budget(fit: Fit, demand: Demand, mns: int, today: int, candidates: li
 def lower_pays(fit: Fit, demand: Demand, today: int, to: int, budget: int, ttft: float,
                tpot: float) -> tuple[bool, str]:  # fmt: skip
     """Whether fewer slots (``today`` -> ``to``) predict more goodput: by the margin with
-    the mean step model and no less with its lower and upper bounds (paired, as for the
+    the mean step model, and no loss (``TIE``) with its lower and upper bounds (paired, as for the
     budget). A lower the TPOT model is sure of can still lose: the batch is full less often
     than the planner's worst case assumes, and every slot given up queues a request."""
     runs = [arrivals(demand, s) for s in SEEDS]
@@ -177,7 +183,7 @@ def lower_pays(fit: Fit, demand: Demand, today: int, to: int, budget: int, ttft:
     if then < MARGIN * now:
         return False, facts
     for name, step in bounds_of(fit):
-        if score(step, to) < score(step, today):
+        if score(step, to) < TIE * score(step, today):
             return False, f"{facts}, but not with the model's {name} bound"
     return True, facts
 

@@ -459,6 +459,20 @@ def test_the_twin_confirms_a_budget_across_the_models_bounds_unless_told_not_to(
     assert unconfirmed.predicted == confirmed.predicted
 
 
+def test_a_bound_that_puts_a_budget_one_request_behind_todays_is_a_tie():
+    # One request/s of 1,500-token prompts: the mean step model prefers 512-token chunks
+    # to 128 (13.6 against 12.3 tokens/s); with the upper bound 512 is 8.23 against 8.37,
+    # 16 tokens in the 120 s replay, less than one 20-token answer: the move is made.
+    fit = ready_model(batches=(1, 2, 4, 8, 16, 32)).fit()
+    rare = replace(LONG_PROMPTS, rate=1.0)
+    choice = choose_budget(fit, rare, 64, 128, [128, 256, 512], 1.0, 0.03)
+    assert choice.budget == 512, choice.why
+    assert (
+        choice.why
+        == "twin goodput by budget (128: 12.3, 256: 13.1, 512: 13.6 tokens/s): 128 -> 512"
+    )
+
+
 # --------------------------------------------------------------------------- verify
 
 TARGETS = verify.Targets(ttft_seconds=2.0, tpot_seconds=0.1)
@@ -708,19 +722,31 @@ def test_a_planned_lower_for_latency_is_made_only_where_the_twin_predicts_it_pay
 
 
 def test_a_planned_lower_waits_while_requests_queue_and_goes_once_they_drained():
-    # The KV cache holds about 20 sequences of this workload (390 blocks): a lower to the
-    # plan (12) is due. With nobody waiting it is tested at once. With 4 waiting per replica
-    # (a backlog left by a neighbour) it is held, and the plan stays due: the next turn,
-    # the queue drained, it goes.
+    # The KV cache holds 19 sequences of this workload (390 blocks), so a lower from 32 is
+    # due. With nobody waiting it is tested at once. With 4 waiting per replica (a backlog
+    # left by a neighbour) it is held, and the plan stays due: the next turn, the queue
+    # drained, it goes.
     state = TunerState(settings=EngineSettings(32), model=ready_model())
     d, _ = turn(calm(kv_blocks=390), state, 1000.0)
-    assert (d.action, d.kind, d.settings) == ("try", "lower", EngineSettings(12)), d.reason
+    assert (d.action, d.kind, d.settings) == ("try", "lower", EngineSettings(19)), d.reason
     d, state = turn(calm(4.0, kv_blocks=390), state, 1000.0)
     assert (d.action, d.settings) == ("hold", EngineSettings(32)), d.reason
     assert d.reason.endswith("held: 4.0 waiting per replica, a lower waits for the queue to drain")
-    assert "planned: max_num_seqs 32 -> 12" in d.reason
+    assert "planned: max_num_seqs 32 -> 19, what the KV cache holds" in d.reason
     d, state = turn(calm(kv_blocks=390), state, 1015.0)
-    assert (d.action, d.kind, d.settings) == ("try", "lower", EngineSettings(12)), d.reason
+    assert (d.action, d.kind, d.settings) == ("try", "lower", EngineSettings(19)), d.reason
+
+
+def test_a_lower_past_what_the_kv_cache_needs_passes_the_twin_for_the_rest():
+    # The plan is 12 (the latency cap) and the KV cache holds 19: the twin predicts no gain
+    # from 12 at 1 request/s, so only the KV cache's part of the lower (32 -> 19) is made
+    # (v3 as first built went to 12 untested by the twin: a KV cap of 231 under 256 took
+    # GPU heavy prefill from the over-provisioned start to 16).
+    state = TunerState(settings=EngineSettings(32), model=ready_model())
+    d, _ = turn(calm(kv_blocks=390), state, 1000.0)
+    assert (d.action, d.settings) == ("try", EngineSettings(19)), d.reason
+    assert d.reason.startswith("testing: planned: max_num_seqs 32 -> 19, what the KV cache holds")
+    assert "latency cap 12, KV cap 19" in d.reason
 
 
 KIND_SPEC = parse_spec(  # kind-tests/test_kind_tuning.py's service
