@@ -36,7 +36,7 @@ from batchpilot.operator.loop.observe import Window, merge_windows
 from batchpilot.operator.loop.planner import Bounds, Plan, plan, planned_move, replicas_for
 from batchpilot.operator.loop.state import TunerState
 from batchpilot.operator.loop.tuner_state import EngineSettings, Experiment, Move, TuneDecision
-from batchpilot.operator.loop.twin import budget_candidates, choose_budget, lower_pays
+from batchpilot.operator.loop.twin import budget_candidates, choose_budget, slots_pay
 
 LIVE_KINDS = ("raise", "lower", "raise_budget", "lower_budget")
 
@@ -272,7 +272,7 @@ def _queued(m) -> float:
 
 def _candidate(p: Plan, state, spec, s: EngineSettings, view: View,
                limits) -> tuple[Candidate | None, str]:  # fmt: skip
-    """The planned move, or None, and why a lower the planner wanted was not made."""
+    """The planned move, or None, and why a move the planner wanted was not made."""
     if (c := guard.fp8_off(view.service, view.replicas, s, spec, limits)) is not None:
         return c, ""
     m = state.model
@@ -290,9 +290,18 @@ def _candidate(p: Plan, state, spec, s: EngineSettings, view: View,
         # Fewer slots only where the twin predicts they pay, under all three step models:
         # the planner's full batch is the worst case, and below capacity the batch rarely
         # fills (from the best start, lowers it was sure of cost 1-2 % of the run).
-        pays, facts = _lower_pays(state, spec, s, view, new)
+        pays, facts = _slots_pay(state, spec, s, view, new)
         if not pays:
             return _kv_lower(p, s) or _budget(state, spec, s), f"no lower to {new}: {facts}"
+        p = replace(p, why=f"{p.why}; {facts}")
+    if new is not None and new > s.max_num_seqs and not saves_replicas(view, spec, state, s, p):
+        # More slots also only where the twin predicts they pay: where the cap does not bind
+        # a raise buys nothing and is still a change (the 8-hour A/A on the GPU plants
+        # raised 64 -> 81 -> 144 as the model saw larger batches). A persistent queue is
+        # the queue guardrail's, and a raise the autoscaler pays for saves replicas.
+        pays, facts = _slots_pay(state, spec, s, view, new)
+        if not pays:
+            return _budget(state, spec, s), f"no raise to {new}: {facts}"
         p = replace(p, why=f"{p.why}; {facts}")
     if new is not None and new != s.max_num_seqs:
         kind = "raise" if new > s.max_num_seqs else "lower"
@@ -309,12 +318,12 @@ def _kv_lower(p: Plan, s: EngineSettings) -> Candidate | None:
     return Candidate("lower", replace(s, max_num_seqs=p.kv_cap), why)
 
 
-def _lower_pays(state, spec, s: EngineSettings, view: View, new: int) -> tuple[bool, str]:
-    """The twin's verdict on a lower for latency, at the step budget the replicas run."""
+def _slots_pay(state, spec, s: EngineSettings, view: View, new: int) -> tuple[bool, str]:
+    """The twin's verdict on max_num_seqs ``new``, at the step budget the replicas run."""
     budget = s.max_num_batched_tokens or max(view.service.max_num_batched_tokens.values(),
                                               default=names.DEFAULT_STEP_TOKENS["cuda"])  # fmt: skip
     m = state.model
-    return lower_pays(m.fit(), m.per_replica(), s.max_num_seqs, new, budget,
+    return slots_pay(m.fit(), m.per_replica(), s.max_num_seqs, new, budget,
                       spec.ttft_target_seconds, spec.itl_target_seconds)  # fmt: skip
 
 

@@ -173,12 +173,13 @@ def choose_budget(fit: Fit, demand: Demand, mns: int, today: int, candidates: li
     return BudgetChoice(best, mean, f"twin goodput by budget ({facts} tokens/s): {today} -> {best}")
 
 
-def lower_pays(fit: Fit, demand: Demand, today: int, to: int, budget: int, ttft: float,
-               tpot: float) -> tuple[bool, str]:  # fmt: skip
-    """Whether fewer slots (``today`` -> ``to``) predict more goodput: by the margin with
+def slots_pay(fit: Fit, demand: Demand, today: int, to: int, budget: int, ttft: float,
+              tpot: float) -> tuple[bool, str]:  # fmt: skip
+    """Whether max_num_seqs ``to`` predicts more goodput than ``today``: by the margin with
     the mean step model, and no loss (``loses``) with its lower and upper bounds (paired, as
-    for the budget). A lower the TPOT model is sure of can still lose: the batch is full less often
-    than the planner's worst case assumes, and every slot given up queues a request."""
+    for the budget). A lower the TPOT model is sure of can still lose (the batch is full
+    less often than the planner's worst case assumes, and every slot given up queues a
+    request), and a raise where the cap does not bind gains nothing."""
     runs = [arrivals(demand, s) for s in SEEDS]
 
     def score(step, mns: int) -> float:

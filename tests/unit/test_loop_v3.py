@@ -44,7 +44,7 @@ from batchpilot.operator.loop.state import TunerState
 from batchpilot.operator.loop.tune import View, decide_tuning
 from batchpilot.operator.loop.tuner_state import EngineSettings, OverloadRaise, Score, Tally
 from batchpilot.operator.loop.turn import LoopOutcome, model_capacity, sized_by_model
-from batchpilot.operator.loop.twin import choose_budget, lower_pays
+from batchpilot.operator.loop.twin import choose_budget, slots_pay
 from tests.support.loop import (
     BETA,
     DEMAND,
@@ -713,11 +713,11 @@ def test_a_planned_lower_for_latency_is_made_only_where_the_twin_predicts_it_pay
     # At 3 requests/s the twin's mean model prefers 16 (228 against 172 tokens/s) but its
     # upper bound does not: still no lower.
     fit, busy = state.model.fit(), replace(DEMAND, rate=3.0)
-    assert lower_pays(fit, busy, 32, 16, 2048, 2.0, 0.06) == (
+    assert slots_pay(fit, busy, 32, 16, 2048, 2.0, 0.06) == (
         False, "twin goodput 171.8 tokens/s at 32, 228.3 at 16, but not with the model's upper bound"
     )  # fmt: skip
     # At 4, where 32 holds too many (8.8 tokens/s), the lower and upper bounds disagree on 16.
-    pays, why = lower_pays(fit, replace(DEMAND, rate=4.0), 32, 16, 2048, 2.0, 0.06)
+    pays, why = slots_pay(fit, replace(DEMAND, rate=4.0), 32, 16, 2048, 2.0, 0.06)
     assert not pays and why.endswith("but not with the model's lower bound"), why
 
 

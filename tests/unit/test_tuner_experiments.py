@@ -21,11 +21,11 @@ from batchpilot.operator.loop.state import TunerState
 from batchpilot.operator.loop.tune import View, decide_tuning
 from batchpilot.operator.loop.tuner_state import EngineSettings, Experiment, Move, TuneDecision
 from batchpilot.operator.loop.turn import live_targets
-from tests.support.loop import ready_model, replica, replicas
+from tests.support.loop import DEMAND, ready_model, replica, replicas
 
 R0, R1, R2, R3 = (f"http://r{i}" for i in range(4))
 AT8 = EngineSettings(8, "auto")
-PLANNED = EngineSettings(27)  # the plan of ready_model() against a 100 ms TPOT target
+PLANNED = EngineSettings(26)  # the plan of ready() against a 100 ms TPOT target
 LIMITS = TuneLimits()
 SPEC = parse_spec(
     {
@@ -53,8 +53,13 @@ def turn(reps, state: TunerState, now=1000.0, spec=SPEC, in_force=AT8):
     return decide_tuning(view(reps), spec, state, in_force, now)
 
 
+# 2 requests/s per replica: 8 slots bind (the twin predicts 149 tokens/s at 8, 176 at 26),
+# so the plan's raise pays and is made.
+BUSY = replace(DEMAND, rate=2.0)
+
+
 def ready(settings=AT8, **kw) -> TunerState:
-    return TunerState(settings=settings, model=replace(ready_model(), **kw))
+    return TunerState(settings=settings, model=replace(ready_model(demand=BUSY), **kw))
 
 
 def quiet(n: int, **kw) -> dict[str, Window]:
@@ -86,7 +91,7 @@ def test_a_planned_change_on_two_or_more_replicas_runs_on_one_first():
     d, st = started()
     assert (d.action, d.kind) == ("canary", "raise")
     assert (
-        d.reason.startswith("testing on http://r") and "planned: max_num_seqs 8 -> 27" in d.reason
+        d.reason.startswith("testing on http://r") and "planned: max_num_seqs 8 -> 26" in d.reason
     )
     assert d.settings == AT8 and st.settings == AT8  # in force everywhere else: unchanged
     e = st.experiment
@@ -182,10 +187,10 @@ def test_one_replica_tries_the_change_against_its_own_baseline():
     assert d.settings == PLANNED and st.settings == PLANNED
     e = st.experiment
     assert e.canary is None and e.baseline is not None and e.baseline.attainment == 1.0
-    after = {R0: replica(R0, running=6, max_num_seqs=27, finished=200)}
+    after = {R0: replica(R0, running=6, max_num_seqs=26, finished=200)}
     d, kept = turn(after, st, now=1060, in_force=PLANNED)
     assert d.action == "keep" and kept.settings == PLANNED and kept.verdicts[0].kept
-    worse = {R0: replica(R0, running=6, max_num_seqs=27, finished=200, tpot_share=0.4)}
+    worse = {R0: replica(R0, running=6, max_num_seqs=26, finished=200, tpot_share=0.4)}
     d, reverted = turn(worse, st, now=1060, in_force=PLANNED)
     assert d.action == "revert" and reverted.settings == AT8
 
@@ -202,7 +207,7 @@ def test_a_trial_no_replica_runs_waits_and_is_abandoned_at_the_limit():
 
 def test_an_undecided_trial_fails_at_the_limit():
     _, st = started(n=1)
-    few = {R0: replica(R0, running=6, max_num_seqs=27, finished=5)}
+    few = {R0: replica(R0, running=6, max_num_seqs=26, finished=5)}
     d, _ = turn(few, st, now=1060, in_force=PLANNED)
     assert d.action == "hold"
     d, st2 = turn(few, st, now=1000 + verify.MAX_SECONDS, in_force=PLANNED)
@@ -223,8 +228,18 @@ def test_without_a_ready_model_or_enough_window_the_tuner_holds():
     assert st.history == ()  # holds are not history
 
 
+def test_a_planned_raise_is_made_only_where_the_twin_predicts_it_pays():
+    # At 1 request/s per replica, 6 of 8 slots busy: the plan (27 at this demand) is far past
+    # today's, but the twin predicts the same goodput at both, so there is nothing to test.
+    idle = TunerState(settings=AT8, model=ready_model())
+    d, st = turn(quiet(2), idle)
+    assert (d.action, d.settings) == ("hold", AT8), d.reason
+    assert d.reason.endswith("no raise to 27: twin goodput 84.9 tokens/s at 8, 84.9 at 27")
+    assert st.experiment is None and st.planned_epoch == 0  # planned: not due again at once
+
+
 def test_a_plan_with_no_move_holds_until_something_changes():
-    near = ready(settings=EngineSettings(24))  # the plan (27) is within the hysteresis
+    near = ready(settings=EngineSettings(24))  # the plan (26) is within the hysteresis
     reps = quiet(2, max_num_seqs=24)
     d, st = turn(reps, near, in_force=EngineSettings(24))
     assert d.action == "hold" and d.reason.startswith("planned, no move:")
