@@ -277,7 +277,8 @@ def _candidate(p: Plan, state, spec, s: EngineSettings, view: View,
         return c, ""
     m = state.model
     new = planned_move(p, m.fit(), m.per_replica(), spec.itl_target_seconds, s.max_num_seqs)
-    if new is not None and new < s.max_num_seqs and (p.kv_cap is None or new < p.kv_cap):
+    for_latency = new is not None and new < s.max_num_seqs and (p.kv_cap is None or new < p.kv_cap)
+    if for_latency:
         # A lower for latency (past what the KV cache needs; a KV cap of 231 under 256
         # once let a lower to 16 skip every test below, GPU heavy prefill from the
         # over-provisioned start): a smaller step budget first, when the twin's mean model
@@ -287,21 +288,19 @@ def _candidate(p: Plan, state, spec, s: EngineSettings, view: View,
         if budget is not None and budget.kind == "lower_budget":
             why = f"{budget.reason} (before max_num_seqs {s.max_num_seqs} -> {new})"
             return replace(budget, reason=why), ""
-        # Fewer slots only where the twin predicts they pay, under all three step models:
-        # the planner's full batch is the worst case, and below capacity the batch rarely
-        # fills (from the best start, lowers it was sure of cost 1-2 % of the run).
+    raise_ = new is not None and new > s.max_num_seqs
+    if for_latency or (raise_ and not saves_replicas(view, spec, state, s, p)):
+        # Slots, fewer or more, only where the twin predicts they pay, under all three step
+        # models. The planner's full batch is the worst case, and below capacity the batch
+        # rarely fills (from the best start, lowers it was sure of cost 1-2 % of the run);
+        # where the cap does not bind a raise buys nothing and is still a change (the
+        # 8-hour A/A on the GPU plants raised 64 -> 81 -> 144 as the model saw larger
+        # batches). A persistent queue is the queue guardrail's, and a raise the autoscaler
+        # pays for saves replicas. Refused, a lower still makes the KV cache's part.
         pays, facts = _slots_pay(state, spec, s, view, new)
         if not pays:
-            return _kv_lower(p, s) or _budget(state, spec, s), f"no lower to {new}: {facts}"
-        p = replace(p, why=f"{p.why}; {facts}")
-    if new is not None and new > s.max_num_seqs and not saves_replicas(view, spec, state, s, p):
-        # More slots also only where the twin predicts they pay: where the cap does not bind
-        # a raise buys nothing and is still a change (the 8-hour A/A on the GPU plants
-        # raised 64 -> 81 -> 144 as the model saw larger batches). A persistent queue is
-        # the queue guardrail's, and a raise the autoscaler pays for saves replicas.
-        pays, facts = _slots_pay(state, spec, s, view, new)
-        if not pays:
-            return _budget(state, spec, s), f"no raise to {new}: {facts}"
+            move = "raise" if raise_ else "lower"
+            return _kv_lower(p, s) or _budget(state, spec, s), f"no {move} to {new}: {facts}"
         p = replace(p, why=f"{p.why}; {facts}")
     if new is not None and new != s.max_num_seqs:
         kind = "raise" if new > s.max_num_seqs else "lower"

@@ -4,7 +4,7 @@ machines here (one chunk per step suits a GPU, fewer larger chunks a CPU with a 
 per-step overhead), so each candidate budget is scored by the per-request goodput the twin
 predicts, on the same arrivals (common random numbers), with the mean and with the bounds
 of the step model; a budget wins only if it beats today's by a margin with the mean and
-does not lose with either bound. Fewer slots for latency pass the same test.
+does not lose with either bound. Planned max_num_seqs moves pass the same test.
 
 The replica: continuous batching with chunked prefill as the server schedules it (decodes
 first, one token each; the rest of the budget goes to prompts in arrival order, a new one
@@ -150,6 +150,15 @@ def loses(new: float, today: float, demand: Demand) -> bool:
     return today - new > max((1 - TIE) * today, demand.output_mean / SECONDS)
 
 
+def lost_bound(fit: Fit, demand: Demand, score, new, today) -> str | None:
+    """The first of the model's bounds under which ``new`` loses to ``today``, or None;
+    ``score(step, setting)`` is the twin's goodput with that step model."""
+    for name, step in bounds_of(fit):
+        if loses(score(step, new), score(step, today), demand):
+            return name
+    return None
+
+
 def choose_budget(fit: Fit, demand: Demand, mns: int, today: int, candidates: list[int],
                   ttft: float, tpot: float, *, confirm: bool = True) -> BudgetChoice:  # fmt: skip
     """The budget to move to, or None. The twin's verdict must hold across the model's
@@ -166,10 +175,9 @@ def choose_budget(fit: Fit, demand: Demand, mns: int, today: int, candidates: li
     facts = ", ".join(f"{b}: {g:.1f}" for b, g in mean.items())
     if best == today or mean[best] < MARGIN * mean[today]:
         return BudgetChoice(None, mean, f"twin goodput by budget ({facts} tokens/s): keep {today}")
-    for name, step in bounds_of(fit) if confirm else ():
-        if loses(score(step, best), score(step, today), demand):
-            why = f"twin: {best} wins with the mean step model ({facts}) but not with its {name} bound"
-            return BudgetChoice(None, mean, why)
+    if confirm and (name := lost_bound(fit, demand, score, best, today)) is not None:
+        why = f"twin: {best} wins with the mean step model ({facts}) but not with its {name} bound"
+        return BudgetChoice(None, mean, why)
     return BudgetChoice(best, mean, f"twin goodput by budget ({facts} tokens/s): {today} -> {best}")
 
 
@@ -189,9 +197,8 @@ def slots_pay(fit: Fit, demand: Demand, today: int, to: int, budget: int, ttft: 
     facts = f"twin goodput {now:.1f} tokens/s at {today}, {then:.1f} at {to}"
     if then < MARGIN * now:
         return False, facts
-    for name, step in bounds_of(fit):
-        if loses(score(step, to), score(step, today), demand):
-            return False, f"{facts}, but not with the model's {name} bound"
+    if (name := lost_bound(fit, demand, score, to, today)) is not None:
+        return False, f"{facts}, but not with the model's {name} bound"
     return True, facts
 
 
