@@ -33,10 +33,17 @@ from batchpilot.operator.loop import guardrails as guard
 from batchpilot.operator.loop import verify
 from batchpilot.operator.loop.guardrails import Candidate, TuneLimits
 from batchpilot.operator.loop.observe import Window, merge_windows
-from batchpilot.operator.loop.planner import Bounds, Plan, plan, planned_move, replicas_for
+from batchpilot.operator.loop.planner import (
+    LOWER_HYSTERESIS,
+    Bounds,
+    Plan,
+    plan,
+    planned_move,
+    replicas_for,
+)
 from batchpilot.operator.loop.state import TunerState
 from batchpilot.operator.loop.tuner_state import EngineSettings, Experiment, Move, TuneDecision
-from batchpilot.operator.loop.twin import budget_candidates, choose_budget, slots_pay
+from batchpilot.operator.loop.twin import budget_candidates, choose_budget, slots_lose, slots_pay
 
 LIVE_KINDS = ("raise", "lower", "raise_budget", "lower_budget")
 
@@ -139,10 +146,26 @@ def _latency(window, settings, spec, state: TunerState, fit, p, now, limits):
     held while it would undo an overload raise and the overload lasts: the queue guardrail
     would raise again a turn later, and the two would take turns."""
     latency = guard.latency(window, settings, spec, state.model, fit, p, now, limits)
-    if latency is None or state.overload is None or p is None:
+    if latency is None or p is None:
         return latency, None
-    why = guard.overload_hold(state.overload, state.model, p, now, limits)
-    return None, f"{why} ({latency.reason})"
+    if state.overload is not None:
+        why = guard.overload_hold(state.overload, state.model, p, now, limits)
+        return None, f"{why} ({latency.reason})"
+    if state.model.per_replica().rate > p.capacity:
+        # The cap completes fewer requests than arrive: the queue it builds may cost more
+        # TTFTs than the TPOTs it saves (CPU mismatch step: 64 -> 19 met the step's new
+        # rate, and the queue guardrail raised back to 64, the best fixed setting). Where no
+        # setting meets the TPOT target both score nothing, and the lower goes ahead.
+        # Judged at the latency cap, where this lower and the next lead (a first halving
+        # under a batch that still runs can cut nothing by itself).
+        cap = max(spec.tuning.max_num_seqs.min, p.latency_cap)
+        loses, facts = _slots_lose(state, spec, settings, window, cap)
+        if loses:
+            return (
+                None,
+                f"latency lower held: the twin predicts a loss ({facts}) ({latency.reason})",
+            )
+    return latency, None
 
 
 def _overload_memory(view: View, spec, state: TunerState, settings, p: Plan | None, now,
@@ -310,8 +333,11 @@ def _candidate(p: Plan, state, spec, s: EngineSettings, view: View,
 
 
 def _kv_lower(p: Plan, s: EngineSettings) -> Candidate | None:
-    """The part of a lower the KV cache asks for on its own: to the most sequences it holds."""
-    if p.kv_cap is None or p.kv_cap >= s.max_num_seqs:
+    """The part of a lower the KV cache asks for on its own: to the most sequences it holds,
+    past the planner's hysteresis as any planned lower (a KV cap is an estimate; a lower
+    16 -> 15 tested for 600 s and reverted kept a budget the twin put 1.2x ahead from
+    being tried, CPU mismatch KV-bound; KV thrash itself is the guardrail's)."""
+    if p.kv_cap is None or p.kv_cap > LOWER_HYSTERESIS * s.max_num_seqs:
         return None
     why = f"planned: max_num_seqs {s.max_num_seqs} -> {p.kv_cap}, what the KV cache holds; {p.why}"
     return Candidate("lower", replace(s, max_num_seqs=p.kv_cap), why)
@@ -319,11 +345,22 @@ def _kv_lower(p: Plan, s: EngineSettings) -> Candidate | None:
 
 def _slots_pay(state, spec, s: EngineSettings, view: View, new: int) -> tuple[bool, str]:
     """The twin's verdict on max_num_seqs ``new``, at the step budget the replicas run."""
-    budget = s.max_num_batched_tokens or max(view.service.max_num_batched_tokens.values(),
-                                              default=names.DEFAULT_STEP_TOKENS["cuda"])  # fmt: skip
     m = state.model
-    return slots_pay(m.fit(), m.per_replica(), s.max_num_seqs, new, budget,
+    return slots_pay(m.fit(), m.per_replica(), s.max_num_seqs, new, _running_budget(s, view.service),
                       spec.ttft_target_seconds, spec.itl_target_seconds)  # fmt: skip
+
+
+def _slots_lose(state, spec, s: EngineSettings, w: Window, new: int) -> tuple[bool, str]:
+    """Whether the twin, with the mean step model, predicts max_num_seqs ``new`` loses
+    goodput to today's at the step budget the replicas run (``twin.loses``)."""
+    m = state.model
+    return slots_lose(m.fit(), m.per_replica(), s.max_num_seqs, new, _running_budget(s, w),
+                      spec.ttft_target_seconds, spec.itl_target_seconds)  # fmt: skip
+
+
+def _running_budget(s: EngineSettings, w: Window) -> int:
+    return s.max_num_batched_tokens or max(w.max_num_batched_tokens.values(),
+                                           default=names.DEFAULT_STEP_TOKENS["cuda"])  # fmt: skip
 
 
 def _budget(state: TunerState, spec, s: EngineSettings, confirm: bool = True) -> Candidate | None:
