@@ -35,6 +35,7 @@ from batchpilot.operator.loop.guardrails import Candidate, TuneLimits
 from batchpilot.operator.loop.observe import Window, merge_windows
 from batchpilot.operator.loop.planner import (
     LOWER_HYSTERESIS,
+    UTILISATION,
     Bounds,
     Plan,
     plan,
@@ -144,20 +145,23 @@ def decide_tuning(
 def _latency(window, settings, spec, state: TunerState, fit, p, now, limits):
     """-> (the latency guardrail's lower or None, why it was held or None). The lower is
     held while it would undo an overload raise and the overload lasts: the queue guardrail
-    would raise again a turn later, and the two would take turns."""
+    would raise again a turn later, and the two would take turns; and, with none, where the
+    latency cap cannot keep up with the demand and the twin predicts it loses goodput."""
     latency = guard.latency(window, settings, spec, state.model, fit, p, now, limits)
     if latency is None or p is None:
         return latency, None
     if state.overload is not None:
         why = guard.overload_hold(state.overload, state.model, p, now, limits)
         return None, f"{why} ({latency.reason})"
-    if state.model.per_replica().rate > p.capacity:
-        # The cap completes fewer requests than arrive: the queue it builds may cost more
-        # TTFTs than the TPOTs it saves (CPU mismatch step: 64 -> 19 met the step's new
-        # rate, and the queue guardrail raised back to 64, the best fixed setting). Where no
-        # setting meets the TPOT target both score nothing, and the lower goes ahead.
-        # Judged at the latency cap, where this lower and the next lead (a first halving
-        # under a batch that still runs can cut nothing by itself).
+    if state.model.per_replica().rate > UTILISATION * p.capacity:
+        # The cap runs past the share of its capacity replicas are sized for, or completes
+        # fewer requests than arrive: the queue it builds may cost more TTFTs than the TPOTs
+        # it saves (CPU mismatch step: 64 -> 19 met the step's new rate, and the queue
+        # guardrail raised back to 64, the best fixed setting; diurnal: 64 -> 32 at 0.99 of
+        # the cap's capacity, and back a turn later). Judged at the latency cap, where this
+        # lower and the next lead (a first halving under a batch that still runs cuts
+        # nothing by itself). Where no setting meets the TPOT target every setting scores
+        # nothing, and the lower goes ahead.
         cap = max(spec.tuning.max_num_seqs.min, p.latency_cap)
         loses, facts = _slots_lose(state, spec, settings, window, cap)
         if loses:
@@ -351,8 +355,8 @@ def _slots_pay(state, spec, s: EngineSettings, view: View, new: int) -> tuple[bo
 
 
 def _slots_lose(state, spec, s: EngineSettings, w: Window, new: int) -> tuple[bool, str]:
-    """Whether the twin, with the mean step model, predicts max_num_seqs ``new`` loses
-    goodput to today's at the step budget the replicas run (``twin.loses``)."""
+    """The twin's verdict on a capacity-reducing max_num_seqs ``new`` (``twin.slots_lose``),
+    at the step budget the replicas run."""
     m = state.model
     return slots_lose(m.fit(), m.per_replica(), s.max_num_seqs, new, _running_budget(s, w),
                       spec.ttft_target_seconds, spec.itl_target_seconds)  # fmt: skip

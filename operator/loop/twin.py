@@ -157,6 +157,10 @@ def loses(new: float, today: float, demand: Demand, gain: float = 1.0) -> bool:
     return today - new > max((1 - TIE) * today, demand.output_mean / SECONDS, stake)
 
 
+def _ratio(new: float, today: float) -> float:
+    return new / today if today > 0 else math.inf
+
+
 def lost_bound(fit: Fit, demand: Demand, score, new, today, gain: float) -> str | None:
     """The first of the model's bounds under which ``new`` loses to ``today``, or None;
     ``score(step, setting)`` is the twin's goodput with that step model, ``gain`` the mean
@@ -183,7 +187,7 @@ def choose_budget(fit: Fit, demand: Demand, mns: int, today: int, candidates: li
     facts = ", ".join(f"{b}: {g:.1f}" for b, g in mean.items())
     if best == today or mean[best] < MARGIN * mean[today]:
         return BudgetChoice(None, mean, f"twin goodput by budget ({facts} tokens/s): keep {today}")
-    gain = mean[best] / mean[today] if mean[today] > 0 else math.inf
+    gain = _ratio(mean[best], mean[today])
     if confirm and (name := lost_bound(fit, demand, score, best, today, gain)) is not None:
         why = f"twin: {best} wins with the mean step model ({facts}) but not with its {name} bound"
         return BudgetChoice(None, mean, why)
@@ -206,9 +210,7 @@ def slots_pay(fit: Fit, demand: Demand, today: int, to: int, budget: int, ttft: 
     facts = f"twin goodput {now:.1f} tokens/s at {today}, {then:.1f} at {to}"
     if then < MARGIN * now:
         return False, facts
-    if (
-        name := lost_bound(fit, demand, score, to, today, then / now if now > 0 else math.inf)
-    ) is not None:
+    if (name := lost_bound(fit, demand, score, to, today, _ratio(then, now))) is not None:
         return False, f"{facts}, but not with the model's {name} bound"
     return True, facts
 

@@ -725,6 +725,18 @@ def test_a_latency_lower_the_cap_cannot_keep_up_with_is_held_where_the_twin_pred
         "59.4 at 12 with the mean step model)"
     )
     assert "(latency: 50% of 100 requests met the 60 ms TPOT target" in d.reason
+
+    # At 2.2 requests/s, 0.97 of the cap's 2.28: its queue would grow long. Held where the
+    # machine is as slow as the upper bound allows; at 1.5 (0.66) the lower is made.
+    def at(rate: float):
+        model = ready_model(demand=replace(DEMAND, rate=rate))
+        return turn(
+            missed_tpot(rate), TunerState(settings=EngineSettings(32), model=model), 1000.0
+        )[0]
+
+    d = at(2.2)
+    assert d.action == "hold" and "193.6 tokens/s at 32, 189.1 at 12 with the upper" in d.reason
+    assert at(1.5).settings == EngineSettings(16)
     # At 5 requests/s 32 slots miss nearly every TPOT: the twin scores 12 higher (21.8
     # against 4.8) and the lower is made (the genuine breach above).
     state = TunerState(
