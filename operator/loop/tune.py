@@ -163,7 +163,7 @@ def _latency(window, settings, spec, state: TunerState, fit, p, now, limits):
         # nothing by itself). Where no setting meets the TPOT target every setting scores
         # nothing, and the lower goes ahead.
         cap = max(spec.tuning.max_num_seqs.min, p.latency_cap)
-        loses, facts = _slots_lose(state, spec, settings, window, cap)
+        loses, facts = _slots(slots_lose, state, spec, settings, window, cap)
         if loses:
             return (
                 None,
@@ -324,7 +324,7 @@ def _candidate(p: Plan, state, spec, s: EngineSettings, view: View,
         # 8-hour A/A on the GPU plants raised 64 -> 81 -> 144 as the model saw larger
         # batches). A persistent queue is the queue guardrail's, and a raise the autoscaler
         # pays for saves replicas. Refused, a lower still makes the KV cache's part.
-        pays, facts = _slots_pay(state, spec, s, view, new)
+        pays, facts = _slots(slots_pay, state, spec, s, view.service, new)
         if not pays:
             move = "raise" if raise_ else "lower"
             return _kv_lower(p, s) or _budget(state, spec, s), f"no {move} to {new}: {facts}"
@@ -347,19 +347,12 @@ def _kv_lower(p: Plan, s: EngineSettings) -> Candidate | None:
     return Candidate("lower", replace(s, max_num_seqs=p.kv_cap), why)
 
 
-def _slots_pay(state, spec, s: EngineSettings, view: View, new: int) -> tuple[bool, str]:
-    """The twin's verdict on max_num_seqs ``new``, at the step budget the replicas run."""
+def _slots(verdict, state, spec, s: EngineSettings, w: Window, new: int) -> tuple[bool, str]:
+    """The twin's ``verdict`` (``twin.slots_pay`` or ``twin.slots_lose``) on max_num_seqs
+    ``new`` against today's, at the step budget the replicas run."""
     m = state.model
-    return slots_pay(m.fit(), m.per_replica(), s.max_num_seqs, new, _running_budget(s, view.service),
-                      spec.ttft_target_seconds, spec.itl_target_seconds)  # fmt: skip
-
-
-def _slots_lose(state, spec, s: EngineSettings, w: Window, new: int) -> tuple[bool, str]:
-    """The twin's verdict on a capacity-reducing max_num_seqs ``new`` (``twin.slots_lose``),
-    at the step budget the replicas run."""
-    m = state.model
-    return slots_lose(m.fit(), m.per_replica(), s.max_num_seqs, new, _running_budget(s, w),
-                      spec.ttft_target_seconds, spec.itl_target_seconds)  # fmt: skip
+    return verdict(m.fit(), m.per_replica(), s.max_num_seqs, new, _running_budget(s, w),
+                   spec.ttft_target_seconds, spec.itl_target_seconds)  # fmt: skip
 
 
 def _running_budget(s: EngineSettings, w: Window) -> int:
