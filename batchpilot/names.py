@@ -125,6 +125,16 @@ ENGINE_STEP_SEQUENCES = "batchpilot:engine_step_sequences_total"
 ENGINE_STEP_DECODE_SEQUENCES = "batchpilot:engine_step_decode_sequences_total"
 ENGINE_STEP_PREFILL_TOKENS = "batchpilot:engine_step_prefill_tokens_total"
 ENGINE_STEP_CONTEXT_TOKENS = "batchpilot:engine_step_context_tokens_total"
+# The CUDA-graph capture sizes in force (server/model/cuda_graphs.py), once captured: a step
+# of n decoding sequences runs as the smallest size that holds n (the rows past n are
+# padding), a step past the largest unpadded. "steps" says which steps are padded: the
+# server's decode-only ones (STEP_PHASE_DECODE), or every step with decodes ("all", as
+# vLLM's piecewise graphs pad mixed batches too). The loop's step model pads as they do
+# (operator/loop/plant.py). Not in ALL_METRICS: it exists only with graphs captured.
+DECODE_GRAPHS_INFO = "batchpilot:decode_graphs_info"
+GRAPH_SIZES_LABEL = "batch_sizes"  # ascending, comma-joined
+GRAPH_STEPS_LABEL = "steps"
+GRAPH_STEPS_ALL = "all"
 # Buckets of these families, here so that the server (server/api/metrics.py) and the
 # simulator (benchmarks/loopsim/metrics.py) share them. TPOT: vLLM's. Token counts: vLLM's
 # build_1_2_5_buckets, up to past any max_model_len served. Batch: the step's batch label.

@@ -140,6 +140,12 @@ class _Collector:
             [MODEL_NAME, r.kv_cache_dtype, str(r.model.block_size), str(r.num_blocks)], 1
         )
         yield info
+        if r.model.graph_sizes:  # the plant pads every step with decodes (calibration.py)
+            graphs = GaugeMetricFamily(names.DECODE_GRAPHS_INFO, "graphs", labels=[
+                *label, names.GRAPH_SIZES_LABEL, names.GRAPH_STEPS_LABEL])  # fmt: skip
+            graphs.add_metric([MODEL_NAME, ",".join(map(str, r.model.graph_sizes)),
+                               names.GRAPH_STEPS_ALL], 1)  # fmt: skip
+            yield graphs
 
 
 def _gauge(name: str, value: float) -> GaugeMetricFamily:

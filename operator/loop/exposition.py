@@ -45,6 +45,7 @@ _FAMILIES = (
     *(name.removesuffix("_total") for name in names.STEP_COUNTERS),
     names.LORA_REQUESTS_INFO,
     names.KV_CACHE_INFO,
+    names.DECODE_GRAPHS_INFO,
 )
 _WANTED_LINES = _FAMILIES + tuple(f"# TYPE {f}" for f in _FAMILIES)
 

@@ -61,6 +61,11 @@ class ModelState:
         s = replace(self, changes=(), observed_until=now)
         if w is None or w.replicas == 0 or w.span_seconds <= 0:
             return s
+        if w.padding != s.step.padding:
+            # Fitted on batches padded otherwise (graphs captured since, or at other sizes):
+            # its statistics are of other features, so it starts again.
+            s = replace(s, step=StepModel(padding=w.padding), epoch=s.epoch + 1,
+                        changes=(*s.changes, "the replicas' CUDA-graph sizes changed"))  # fmt: skip
         s = s._residual(w, now)
         demand, changed = s.demand.ingest(w)
         queue = (*s.queue, w.per_replica(w.waiting))[-QUEUE_TURNS:]

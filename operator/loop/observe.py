@@ -22,7 +22,7 @@ from batchpilot import names
 from batchpilot.operator.bounds import clip
 from batchpilot.operator.loop import exposition, observe_steps
 from batchpilot.operator.loop.exposition import COUNTERS, GAUGES, HISTOGRAMS, wanted_lines
-from batchpilot.operator.loop.observe_steps import StepCell, StepKey
+from batchpilot.operator.loop.observe_steps import NO_PADDING, Padding, StepCell, StepKey
 
 if TYPE_CHECKING:
     from batchpilot.operator.loop.scrape import Scrape
@@ -53,6 +53,7 @@ class Sample:
     steps: dict[StepKey, list[float]] = field(default_factory=dict)  # observe_steps.py
     kv_num_blocks: int | None = None  # kv_cache_info's labels
     kv_block_size: int | None = None
+    padding: Padding = NO_PADDING  # decode_graphs_info's labels
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def parse_metrics(text: str, now: float) -> Sample:
     buckets: dict[str, dict[float, float]] = {h: {} for h in HISTOGRAMS}
     sums: dict[str, float] = {}
     steps: dict[StepKey, list[float]] = {}
-    lora, info = None, {}
+    lora, info, padding = None, {}, NO_PADDING
     try:
         for family in exposition.parse_families(wanted_lines(text)):
             if family.name == names.LORA_REQUESTS_INFO:
@@ -122,6 +123,8 @@ def parse_metrics(text: str, now: float) -> Sample:
                     _add(sums, family.name, s.value)
                 elif s.name == names.KV_CACHE_INFO:
                     info = s.labels
+                elif s.name == names.DECODE_GRAPHS_INFO:
+                    padding = Padding.of(s.labels)
                 else:
                     observe_steps.add_step_sample(steps, s)
         num_blocks, block_size = (_optional_int(info, k) for k in ("num_blocks", "block_size"))
@@ -140,6 +143,7 @@ def parse_metrics(text: str, now: float) -> Sample:
         steps=steps,
         kv_num_blocks=num_blocks,
         kv_block_size=block_size,
+        padding=padding,
     )
 
 
@@ -243,6 +247,7 @@ class Window:
     steps: tuple[StepCell, ...] = ()  # step-cost increases by (batch_le, phase)
     kv_num_blocks: dict[str, int] = field(default_factory=dict)  # replica URL -> KV blocks
     kv_block_size: int | None = None  # the value most replicas report
+    padding: Padding = NO_PADDING  # how the latest scrape says steps are padded
 
     @property
     def ttft_p99(self) -> float | None:
@@ -372,6 +377,7 @@ def _model_inputs(url: str, samples: Sequence[Sample]) -> dict[str, Any]:
         steps=observe_steps.step_increase([s.steps for s in samples]),
         kv_num_blocks={url: last.kv_num_blocks} if last.kv_num_blocks is not None else {},
         kv_block_size=last.kv_block_size,
+        padding=last.padding,
     )
 
 
@@ -413,6 +419,7 @@ def merge_windows(windows: Sequence[Window]) -> Window | None:
         steps=observe_steps.merge_steps(w.steps for w in windows),
         kv_num_blocks={k: v for w in windows for k, v in w.kv_num_blocks.items()},
         kv_block_size=_most_common(w.kv_block_size for w in windows if w.kv_block_size),
+        padding=_most_common(w.padding for w in windows) or NO_PADDING,
     )
 
 

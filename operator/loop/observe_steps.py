@@ -44,6 +44,47 @@ class StepCell:
                 self.prefill_tokens, self.context_tokens)  # fmt: skip
 
 
+MAX_GRAPH_SIZES = 256  # more capture sizes than any server has: not a server's label
+
+
+@dataclass(frozen=True)
+class Padding:
+    """How a replica pads its steps (names.DECODE_GRAPHS_INFO): a step of n decoding
+    sequences runs as the smallest of ``sizes`` that holds n, one past the largest as it is;
+    only decode-only steps unless ``all_steps``. No sizes: nothing is padded."""
+
+    sizes: tuple[int, ...] = ()
+    all_steps: bool = False
+
+    @classmethod
+    def of(cls, labels: dict[str, str]) -> Padding:
+        """From the family's labels; an odd label costs only this (no padding), as an odd KV
+        layout label costs only that field."""
+        values = labels.get(names.GRAPH_SIZES_LABEL, "").split(",")
+        if len(values) > MAX_GRAPH_SIZES or not all(v.isdigit() and len(v) <= 6 for v in values):
+            return cls()
+        steps = labels.get(names.GRAPH_STEPS_LABEL) == names.GRAPH_STEPS_ALL
+        return cls(tuple(sorted({int(v) for v in values})), steps)
+
+    def batch(self, decodes: float, prefill_tokens: float) -> float:
+        """The batch a step of ``decodes`` sequences (a mean over steps, too) costs."""
+        if not self.sizes or decodes <= 0 or (prefill_tokens > 0 and not self.all_steps):
+            return decodes
+        return next((size for size in self.sizes if size >= decodes), decodes)
+
+    def to_status(self) -> dict:
+        return {"sizes": list(self.sizes), "allSteps": self.all_steps}
+
+    @classmethod
+    def from_status(cls, d: dict | None) -> Padding:
+        if not d:
+            return cls()
+        return cls(tuple(int(v) for v in d.get("sizes", ())), bool(d.get("allSteps", False)))
+
+
+NO_PADDING = Padding()
+
+
 def add_step_sample(cells: dict[StepKey, list[float]], sample: Any) -> bool:
     """Add one parsed sample (prometheus_client's) to ``cells`` if it is a step counter's,
     summed over the other labels (model_name). False when it is not one."""

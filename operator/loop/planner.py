@@ -29,6 +29,8 @@ KV_SAFETY = 0.85  # of the KV blocks, at the mean occupancy of a sequence
 RAISE_HYSTERESIS = 1.25  # a planned raise moves by at least this factor
 LOWER_HYSTERESIS = 0.8  # a planned lower moves by at least this factor
 MIN_RELIEF = 0.1  # a lower for latency must cut the model's mean TPOT by this share
+GRAPH_FLOOR_GAIN = 1.05  # a cap falls to the graph size under it for this x its capacity
+GRAPH_FLOOR_REACH = 1.25  # ... and only from within this x that size
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,22 @@ def kv_cap(demand: Demand, num_blocks: int | None, block_size: int | None) -> in
     return max(1, math.floor(KV_SAFETY * num_blocks / (tokens / block_size + 1)))
 
 
+def graph_floor(fit: Fit, demand: Demand, n: int) -> int:
+    """``n``, or the CUDA-graph size under it where a full batch of that completes
+    GRAPH_FLOOR_GAIN x as many requests a second: a batch past a size runs padded to the
+    next (a KV cap of 65 where 64 and 128 are captured runs as 128 does, for 65 sequences).
+    Only just past a size (within GRAPH_FLOOR_REACH x it), where few slots are given up
+    for a whole padded batch: further, a young model's error decides (45 s into the
+    simulator's KV-bound GPU workload one put 32 slots ahead of 63, padded to 64, and
+    63 -> 32 cost 6 % of the best fixed setting)."""
+    sizes = fit.model.padding.sizes
+    below = [size for size in sizes if size < n]
+    if not below or n in sizes or n > sizes[-1] or n > GRAPH_FLOOR_REACH * below[-1]:
+        return n
+    gain = capacity_in(fit, demand, below[-1]) / max(capacity_in(fit, demand, n), 1e-12)
+    return below[-1] if gain >= GRAPH_FLOOR_GAIN else n
+
+
 def plan(
     fit: Fit,
     demand: Demand,
@@ -140,8 +158,10 @@ def plan(
     kv: tuple[int | None, int | None],
 ) -> Plan:
     """The setting the model supports, and why."""
-    lat = latency_cap(fit, demand, target, bounds, budget)
+    lat = graph_floor(fit, demand, latency_cap(fit, demand, target, bounds, budget))
     kvc = kv_cap(demand, *kv)
+    if kvc is not None:
+        kvc = graph_floor(fit, demand, kvc)
     n = max(bounds.min, min(lat, kvc if kvc is not None else lat, bounds.max))
     t = tpot_upper(fit, n, demand) or tpot_mean(fit, n, demand)
     capacity = n / (max(demand.output_mean, 1.0) * t) if t > 0 else 0.0

@@ -8,6 +8,14 @@ of a window is one observation of the mean step, weighted by its steps. The suff
 statistics decay with a half-life, so a machine that changed is refitted, and they live in
 status.tuning.model: the operator keeps no memory of its own.
 
+A server that replays decode steps from CUDA graphs runs a batch of n as the capture size
+that holds it (names.DECODE_GRAPHS_INFO): the model is fitted and asked at that padded
+batch (observe_steps.Padding), so that 65 slots where 64 and 128 are captured cost what 128
+do. A cell's mean batch is padded as one batch: the step-counter buckets are powers of two,
+so where the capture sizes are too, a cell's steps share their padded size; where they are
+finer (the server's multiples of 16 past 8) a cell's steps may pad to two sizes, and the
+misfit takes what padding its mean misses.
+
 Uncertainty, so that the planner can take the safe side: the coefficients' standard error
 from the weighted residuals, plus the cells' relative misfit (a plant that is not this
 model, such as a superlinear batch or CUDA-graph padding, shows there and widens every
@@ -22,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from batchpilot.operator.loop.observe import StepCell
+from batchpilot.operator.loop.observe_steps import NO_PADDING, Padding
 
 K = 4  # features: 1, decodes, context (k tokens), prefill (100 tokens)
 HALF_LIFE_SECONDS = 1800.0
@@ -32,8 +41,10 @@ MIN_MISFIT = 0.05  # a bound is never tighter than this share of the prediction
 EXTRAPOLATION = 2.0  # no prediction past this x the largest decode batch observed
 
 
-def features(decodes: float, context_tokens: float, prefill_tokens: float) -> tuple[float, ...]:
-    return (1.0, decodes, context_tokens / 1000.0, prefill_tokens / 100.0)
+def features(decodes: float, context_tokens: float, prefill_tokens: float,
+             padding: Padding = NO_PADDING) -> tuple[float, ...]:  # fmt: skip
+    batch = padding.batch(decodes, prefill_tokens)
+    return (1.0, batch, context_tokens / 1000.0, prefill_tokens / 100.0)
 
 
 def cell_observation(cell: StepCell) -> tuple[tuple[float, ...], float, float] | None:
@@ -56,6 +67,7 @@ class StepModel:
     max_batch: float = 0.0  # largest mean decode batch of a counted cell
     min_batch: float = math.inf
     updated: float | None = None  # time of the last ingest
+    padding: Padding = NO_PADDING  # how the replicas pad the batches it was fitted on
 
     @property
     def ready(self) -> bool:
@@ -82,14 +94,15 @@ class StepModel:
         xtx, xty, yty, steps = list(m.xtx), list(m.xty), m.yty, m.steps
         hi, lo = m.max_batch, m.min_batch
         for obs in filter(None, map(cell_observation, cells)):
-            x, y, w = obs
+            raw, y, w = obs
+            x = features(raw[1], raw[2] * 1000, raw[3] * 100, m.padding)
             for i in range(K):
                 xty[i] += w * x[i] * y
                 for j in range(K):
                     xtx[i * K + j] += w * x[i] * x[j]
             yty += w * y * y
             steps += w
-            hi, lo = max(hi, x[1]), min(lo, x[1])
+            hi, lo = max(hi, raw[1]), min(lo, raw[1])
         return replace(
             m, xtx=tuple(xtx), xty=tuple(xty), yty=yty, steps=steps, max_batch=hi, min_batch=lo
         )
@@ -126,6 +139,7 @@ class StepModel:
             "maxBatch": round(self.max_batch, 3),
             "minBatch": round(self.min_batch, 3) if math.isfinite(self.min_batch) else None,
             "updated": self.updated,
+            "padding": self.padding.to_status(),
         }
 
     @classmethod
@@ -139,6 +153,7 @@ class StepModel:
             xtx, xty, float(d["yty"]), float(d["steps"]), float(d["maxBatch"]),
             float(lo) if lo is not None else math.inf,
             float(updated) if updated is not None else None,
+            Padding.from_status(d.get("padding")),
         )  # fmt: skip
 
 
@@ -159,15 +174,28 @@ class Fit:
 
     @property
     def identified(self) -> bool:
-        """Were different batch sizes seen? One batch size cannot split a from b."""
-        return self.model.max_batch - self.model.min_batch >= 2
+        """Were different batch sizes seen, as the replicas run them (padded)? One batch
+        size cannot split a from b."""
+        pad, m = self.model.padding, self.model
+        return pad.batch(m.max_batch, 0) - pad.batch(m.min_batch, 0) >= 2
 
     def mean(self, decodes: float, context: float, prefill: float) -> float:
-        x = features(decodes, context, prefill)
-        if not self.identified:
+        x = features(decodes, context, prefill, self.model.padding)
+        if not self.identified and x[1] != self._padded_batch_seen:
             # The pessimistic reading of one batch size: step time in proportion to it.
             return self._proportional(x)
         return sum(b * xi for b, xi in zip(self.beta, x, strict=True))
+
+    @property
+    def _padded_batch_seen(self) -> float | None:
+        """The one capture size every batch observed ran as, if so: there the fit's other
+        terms (context, prefill) still speak, though the batch's own cannot be told from
+        the base (overload at 129-256 slots, all run as 256)."""
+        pad, m = self.model.padding, self.model
+        if not pad.sizes or not math.isfinite(m.min_batch):
+            return None
+        seen = pad.batch(m.max_batch, 0)
+        return seen if pad.batch(m.min_batch, 0) == seen and seen in pad.sizes else None
 
     def upper(self, decodes: float, context: float, prefill: float) -> float | None:
         """A bound the true mean step exceeds rarely; None past the extrapolation limit."""
@@ -181,7 +209,7 @@ class Fit:
         return max(0.0, mean - self._width(decodes, context, prefill, mean))
 
     def _width(self, decodes: float, context: float, prefill: float, mean: float) -> float:
-        x = features(decodes, context, prefill)
+        x = features(decodes, context, prefill, self.model.padding)
         se = 0.0
         if self.inverse is not None:
             var = sum(x[i] * self.inverse[i * K + j] * x[j] for i in range(K) for j in range(K))
@@ -235,8 +263,10 @@ def _sub(xtx: Sequence[float], xty: Sequence[float], active: list[int]):
 def _nonnegative_lstsq(xtx: Sequence[float], xty: Sequence[float]) -> list[float] | None:
     """Least squares with every coefficient >= 0 (a step never gets faster with more work):
     drop the most negative coefficient and refit until none is negative. Features never
-    seen (a zero column) are dropped first."""
-    active = [i for i in range(K) if xtx[i * K + i] > 0]
+    seen (a zero column) are dropped first, and so are features that never varied (a batch
+    every step ran padded to one capture size): their cost is in the base, and dropping
+    the last column instead, as collinearity does below, would drop the prefill's."""
+    active = [i for i in range(K) if xtx[i * K + i] > 0 and not _constant(xtx, i)]
     while active:
         solution = _solve(*_sub(xtx, xty, active))
         if solution is None:
@@ -250,6 +280,16 @@ def _nonnegative_lstsq(xtx: Sequence[float], xty: Sequence[float]) -> list[float
             return beta
         del active[worst]
     return None
+
+
+def _constant(xtx: Sequence[float], i: int) -> bool:
+    """Whether feature ``i`` (not the base) took one value in every observation: its
+    weighted variance, from the sums, is nothing against its square."""
+    n, square = xtx[0], xtx[i * K + i]
+    if i == 0 or n <= 0:
+        return False
+    mean = xtx[i] / n  # row 0, column i
+    return square / n - mean * mean <= 1e-9 * (square / n)
 
 
 def _inverse(xtx: Sequence[float]) -> tuple[float, ...] | None:

@@ -142,6 +142,19 @@ class EngineStatsCollector:
         yield config
         if stats is not None and stats.max_lora > 0:  # max_lora is 0 with LoRA off
             yield lora_requests_info(stats)
+        if stats is not None and stats.decode_graph_sizes:
+            yield decode_graphs_info(self._model_name, stats.decode_graph_sizes)
+
+
+def decode_graphs_info(model_name: str, sizes: tuple[int, ...]) -> GaugeMetricFamily:
+    """The capture sizes of the decode-only steps' CUDA graphs (names.DECODE_GRAPHS_INFO):
+    the server pads only decode-only steps (runner._forward)."""
+    family = GaugeMetricFamily(names.DECODE_GRAPHS_INFO,
+                               "CUDA-graph batch sizes of decode steps; the value is always 1.",
+                               labels=[names.METRIC_LABEL, names.GRAPH_SIZES_LABEL,
+                                       names.GRAPH_STEPS_LABEL])  # fmt: skip
+    family.add_metric([model_name, ",".join(map(str, sizes)), names.STEP_PHASE_DECODE], 1.0)
+    return family
 
 
 def lora_requests_info(stats: EngineStats) -> GaugeMetricFamily:

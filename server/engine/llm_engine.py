@@ -133,4 +133,5 @@ class LLMEngine:
         return self.output_processor.failed(seq, message)
 
     def stats(self) -> EngineStats:
-        return engine_stats(self.scheduler, self.config)
+        graphs = self.runner.graphs
+        return engine_stats(self.scheduler, self.config, tuple(graphs.sizes) if graphs else ())

@@ -32,9 +32,12 @@ class EngineStats(SchedulerCounters):
     max_lora: int = 0  # 0 with LoRA off
     running_lora_adapters: list[str] = dataclasses.field(default_factory=list)  # sorted
     waiting_lora_adapters: list[str] = dataclasses.field(default_factory=list)  # and swapped
+    # The decode steps' CUDA-graph sizes once captured (names.DECODE_GRAPHS_INFO); () before.
+    decode_graph_sizes: tuple[int, ...] = ()
 
 
-def engine_stats(scheduler: Scheduler, config: EngineConfig) -> EngineStats:
+def engine_stats(scheduler: Scheduler, config: EngineConfig,
+                 decode_graph_sizes: tuple[int, ...] = ()) -> EngineStats:  # fmt: skip
     pool, swap = scheduler.kv.pool, scheduler.kv.swap
     return EngineStats(
         num_running=len(scheduler.running),
@@ -57,6 +60,7 @@ def engine_stats(scheduler: Scheduler, config: EngineConfig) -> EngineStats:
         max_lora=config.max_loras if config.enable_lora else 0,
         running_lora_adapters=_adapters(scheduler.running),
         waiting_lora_adapters=_adapters([*scheduler.waiting, *scheduler.swapped]),
+        decode_graph_sizes=decode_graph_sizes,
         **dataclasses.asdict(scheduler.counters),
     )
 

@@ -254,6 +254,8 @@ SERVER_STATS = {  # what FakeServer's engine reports until a test changes it
     "max_lora": 0,
     "running_lora_adapters": (),
     "waiting_lora_adapters": (),
+    # No CUDA graphs (a CPU server): no batchpilot:decode_graphs_info family.
+    "decode_graph_sizes": (),
 }
 
 

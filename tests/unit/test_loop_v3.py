@@ -25,7 +25,7 @@ from batchpilot.operator.loop.demand import Demand
 from batchpilot.operator.loop.guardrails import TuneLimits, overload_after
 from batchpilot.operator.loop.model_state import SETTLE_SECONDS, ModelState
 from batchpilot.operator.loop.observe import Window
-from batchpilot.operator.loop.observe_steps import StepCell
+from batchpilot.operator.loop.observe_steps import Padding, StepCell
 from batchpilot.operator.loop.planner import (
     HEADROOM,
     Bounds,
@@ -142,6 +142,84 @@ def test_the_step_model_round_trips_through_the_status():
     assert empty.min_batch == math.inf and empty.fit() is None
     with pytest.raises(ValueError):
         StepModel.from_status({**model.to_status(), "xty": [1.0, 2.0]})
+
+
+# Capture sizes of a GPU server's decode graphs: powers of two, as the step buckets are.
+POW2 = Padding((1, 2, 4, 8, 16, 32, 64, 128), all_steps=False)
+
+
+def padded_cells(batches, padding: Padding = POW2) -> tuple[StepCell, ...]:
+    """step_cells of replicas that pad as ``padding`` says: a cell of mean batch n is timed
+    at the padded batch (POW2: a server's decode steps; its mixed steps run unpadded)."""
+    return tuple(
+        replace(c, seconds=c.steps * step_seconds(
+            padding.batch(c.decode_sequences / c.steps, c.prefill_tokens / c.steps),
+            c.context_tokens / c.steps, c.prefill_tokens / c.steps))
+        for c in step_cells(batches)
+    )  # fmt: skip
+
+
+def test_a_model_told_the_graph_sizes_fits_the_plant_and_prices_a_slot_past_a_size():
+    cells = padded_cells((3, 5, 9, 17, 40))  # padded 4, 8, 16, 32, 64: no one ratio
+    fit = StepModel(padding=POW2).ingest(cells, 0.0).fit()
+    assert fit.beta == pytest.approx(BETA, rel=0.02)
+    assert fit.misfit == pytest.approx(0.05)  # the floor: nothing left unexplained
+    # 65 decoding sequences run as 128 do; 64 as themselves; a mixed step is not padded.
+    assert fit.mean(65, 65 * 600, 0) == pytest.approx(step_seconds(128, 65 * 600, 0), rel=0.02)
+    assert fit.mean(64, 64 * 600, 0) == pytest.approx(step_seconds(64, 64 * 600, 0), rel=0.02)
+    assert fit.mean(65, 65 * 1800, 256) == pytest.approx(step_seconds(65, 65 * 1800, 256),
+                                                         rel=0.02)  # fmt: skip
+    # Not told, the same cells fit worse and price 65 slots like 64: the padding is unseen.
+    blind = StepModel().ingest(cells, 0.0).fit()
+    assert fit.sigma < 1e-6 and blind.sigma > 1e-3  # seconds a step: exact, and 2-3 ms off
+    assert blind.mean(65, 65 * 600, 0) < 1.02 * blind.mean(64, 64 * 600, 0)
+    assert fit.mean(65, 65 * 600, 0) > 1.6 * fit.mean(64, 64 * 600, 0)
+    back = StepModel.from_status(StepModel(padding=POW2).ingest(cells, 0.0).to_status())
+    assert back.padding == POW2 and back.fit().beta == pytest.approx(fit.beta, rel=1e-6)
+
+
+def test_a_cap_just_past_a_graph_size_falls_to_the_size_where_that_serves_more():
+    every_step = replace(POW2, all_steps=True)  # the simulator's GPU mismatch plant
+    fit = StepModel(padding=every_step).ingest(padded_cells((3, 5, 9, 17, 40), every_step),
+                                                0.0).fit()  # fmt: skip
+    loose = 0.5  # a TPOT target no batch here misses: the KV cache binds
+    assert kv_cap(DEMAND, 646, 16) == 33 and kv_cap(DEMAND, 1174, 16) == 60
+    # 33 sequences run as 64 do: 32 complete more requests a second.
+    p = plan(fit, DEMAND, loose, BOUNDS, 8, None, (646, 16))
+    assert (p.max_num_seqs, p.kv_cap) == (32, 32) and "the KV cache binds" in p.why
+    assert capacity_at(fit, DEMAND, loose, 32, BOUNDS) > capacity_at(fit, DEMAND, loose, 33, BOUNDS)
+    # 60 is far past 32 (over 1.25 x): the slots given up, not the padding, decide. Kept.
+    assert plan(fit, DEMAND, loose, BOUNDS, 8, None, (1174, 16)).kv_cap == 60
+    # Unpadded replicas keep 33.
+    assert plan(fitted(), DEMAND, loose, BOUNDS, 8, None, (646, 16)).kv_cap == 33
+
+
+def test_batches_all_run_as_one_capture_size_still_price_the_prefill_there():
+    # Overload at 40-60 slots, every step run as 64: the batch's cost cannot be told from
+    # the base, but the prefill's and the context's can (a step budget is chosen on them).
+    every_step = replace(POW2, all_steps=True)
+    fit = StepModel(padding=every_step).ingest(padded_cells((40, 50, 60), every_step),
+                                                0.0).fit()  # fmt: skip
+    assert not fit.identified
+    assert fit.beta[1] == 0 and fit.beta[2:] == pytest.approx(BETA[2:], rel=0.02)
+    for n, prefill in ((50, 0), (41, 256), (64, 512)):
+        assert fit.mean(n, n * 600, prefill) == pytest.approx(
+            step_seconds(64, n * 600, prefill), rel=0.02)  # fmt: skip
+    # Elsewhere, the pessimistic reading of one batch size: in proportion to the padded one.
+    assert fit.mean(20, 0, 0) == pytest.approx(2 * fit.mean(10, 0, 0))  # as 32 and 16
+    assert fit.mean(100, 0, 0) == pytest.approx(4 * fit.mean(20, 0, 0))  # as 128 and 32
+
+
+def test_the_step_model_starts_again_when_the_replicas_pad_otherwise():
+    m = ModelState(step=StepModel().ingest(step_cells(), 0.0))
+    assert m.fit() is not None
+    # Graphs captured since: what was fitted is of unpadded batches.
+    m = m.ingest(replace(replica(span=TURN), steps=padded_cells((3, 6)), padding=POW2), TURN)
+    assert m.step.padding == POW2 and m.epoch == 1
+    assert m.changes == ("the replicas' CUDA-graph sizes changed",)
+    assert m.step.steps == pytest.approx(400)  # only this window's cells
+    m = m.ingest(replace(replica(span=TURN), steps=padded_cells((12,)), padding=POW2), 2 * TURN)
+    assert m.epoch == 1 and m.changes == () and m.step.steps == pytest.approx(600, rel=0.01)
 
 
 # --------------------------------------------------------------------------- change points

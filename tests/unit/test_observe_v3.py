@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchpilot import names
 from batchpilot.operator.loop.observe import Observer, StepCell, parse_metrics, replica_window
+from batchpilot.operator.loop.observe_steps import NO_PADDING, Padding
 from batchpilot.operator.loop.scrape import Scrape
 from batchpilot.server.api import metrics as server_metrics
 from benchmarks.loopsim import CPU, ReplicaConfig, ReplicaSim, Request
@@ -151,7 +153,7 @@ def families(text: str) -> dict[str, set[str]]:
     return out
 
 
-def server_text() -> str:
+def server_text(decode_graph_sizes: tuple[int, ...] = ()) -> str:
     """The server's families after one mixed step and one finished request."""
     stats = SimpleNamespace(
         num_running=1, num_waiting=0, num_swapped=0, kv_cache_usage=0.1, cpu_cache_usage=0.0,
@@ -159,7 +161,7 @@ def server_text() -> str:
         generation_tokens_total=2, num_swaps_out=0, num_swaps_in=0, num_arrivals=1,
         prefix_cache_queries=0, prefix_cache_hits=0,
         oldest_waiting_arrival=None, kv_cache_dtype="auto", block_size=16, num_kv_blocks=100,
-        max_lora=0, num_steps=1, last_step_num_tokens=5, last_step_batch_size=1,
+        max_lora=0, decode_graph_sizes=decode_graph_sizes, num_steps=1, last_step_num_tokens=5, last_step_batch_size=1,
         last_step_decode_seqs=0, last_step_prefill_tokens=5, last_step_context_tokens=0,
     )  # fmt: skip
     metrics = server_metrics.ServerMetrics(sim_metrics.MODEL_NAME, lambda: stats)
@@ -237,6 +239,31 @@ def test_a_simulated_replica_reads_back_its_own_counts():
     waiting = replica.waiting
     expected = replica.time - waiting[0].req.arrival if waiting else 0.0
     assert window.oldest_waiting_seconds == pytest.approx(expected)
+
+
+def test_the_graph_sizes_a_server_or_a_plant_pads_to_are_read_with_which_steps_they_pad():
+    # A CPU server captures no graphs: no family, nothing padded.
+    assert parse_metrics(server_text(), 0.0).padding == NO_PADDING
+    # A GPU server once captured: its decode-only steps pad (runner._forward).
+    padding = parse_metrics(server_text((1, 2, 4, 8, 16, 32)), 0.0).padding
+    assert padding == Padding((1, 2, 4, 8, 16, 32), all_steps=False)
+    assert padding.batch(17, 0) == 32 and padding.batch(17, 256) == 17  # a mixed step: not
+    assert padding.batch(33, 0) == 33  # past the largest: unpadded, as the server runs it
+    assert padding.batch(0, 0) == 0
+    # A simulated plant with capture sizes pads every step with decodes, and says so.
+    plant = replace(CPU.model, graph_sizes=(1, 2, 4, 8, 16, 32, 64))
+    replica = ReplicaSim("http://sim", ReplicaConfig(max_num_seqs=16,
+                         max_num_batched_tokens=512), plant, 0.0)  # fmt: skip
+    padding = parse_metrics(replica.metrics_text(), 0.0).padding
+    assert padding == Padding((1, 2, 4, 8, 16, 32, 64), all_steps=True)
+    assert padding.batch(17, 256) == 32
+    window = replica_window("http://sim", [parse_metrics(replica.metrics_text(), t)
+                                           for t in (0.0, 15.0)])  # fmt: skip
+    assert window.padding == padding
+    assert Padding.from_status(padding.to_status()) == padding
+    # An odd label costs only the padding, not the scrape.
+    for odd in ("", "1,x,4", "1,,2", "-1", ",".join(["8"] * 300), "9" * 20):
+        assert Padding.of({names.GRAPH_SIZES_LABEL: odd}) == NO_PADDING, odd
 
 
 def test_an_odd_kv_layout_label_costs_only_that_field():
