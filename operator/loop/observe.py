@@ -6,7 +6,7 @@ counter rates (resets handled as Prometheus' ``increase`` does) and latency P99s
 histogram bucket deltas, from families read as ``prometheus_client.parser`` reads them
 (exposition.py). A replica whose scrape failed (scrape.py), or whose answer is not the
 server's metrics, is skipped and counted, never raised. The step-cost cells are
-observe_steps.py's.
+observe_steps.py's, the adapters observe_lora.py's.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from batchpilot import names
 from batchpilot.operator.bounds import clip
 from batchpilot.operator.loop import exposition, observe_steps
 from batchpilot.operator.loop.exposition import COUNTERS, GAUGES, HISTOGRAMS, wanted_lines
+from batchpilot.operator.loop.observe_lora import LoraInfo, newest_lora
 from batchpilot.operator.loop.observe_steps import NO_PADDING, Padding, StepCell, StepKey
 
 if TYPE_CHECKING:
@@ -56,42 +57,6 @@ class Sample:
     padding: Padding = NO_PADDING  # decode_graphs_info's labels
 
 
-@dataclass(frozen=True)
-class LoraInfo:
-    """One replica's adapters at one scrape: the slots, and the adapters of running and of
-    waiting requests."""
-
-    max_loras: int
-    running: frozenset[str]
-    waiting: frozenset[str]
-
-    @classmethod
-    def of(cls, labels: dict[str, str]) -> LoraInfo:
-        def names_of(key: str) -> frozenset[str]:
-            return frozenset(n for n in labels.get(key, "").split(",") if n)
-
-        return cls(
-            int(labels["max_lora"]),
-            names_of("running_lora_adapters"),
-            names_of("waiting_lora_adapters"),
-        )
-
-    def bottleneck(self, running_requests: float, max_num_seqs: float | None) -> bool:
-        """Do requests wait for adapters that find no slot, while batch slots are free?"""
-        starved = bool(self.waiting - self.running) and len(self.running) >= self.max_loras
-        return starved and max_num_seqs is not None and running_requests < max_num_seqs
-
-
-def _newest_lora(samples: list) -> LoraInfo | None:
-    """None when absent or unreadable: the LoRA law then sees nothing, the others still
-    do (the whole scrape is not lost to one odd family)."""
-    newest = max(samples, key=lambda s: s.value, default=None)
-    try:
-        return LoraInfo.of(newest.labels) if newest is not None else None
-    except (KeyError, ValueError):
-        return None
-
-
 def _add(into: dict[Any, float], key: Any, value: float) -> None:
     into[key] = into.get(key, 0.0) + value
 
@@ -110,7 +75,7 @@ def parse_metrics(text: str, now: float) -> Sample:
     try:
         for family in exposition.parse_families(wanted_lines(text)):
             if family.name == names.LORA_REQUESTS_INFO:
-                lora = _newest_lora(family.samples)
+                lora = newest_lora(family.samples)
                 continue
             for s in family.samples:
                 if s.name in GAUGES:
