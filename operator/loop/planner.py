@@ -158,7 +158,8 @@ def plan(
     kv: tuple[int | None, int | None],
 ) -> Plan:
     """The setting the model supports, and why."""
-    lat = graph_floor(fit, demand, latency_cap(fit, demand, target, bounds, budget))
+    uncapped = latency_cap(fit, demand, target, bounds, budget)
+    lat = graph_floor(fit, demand, uncapped)
     kvc = kv_cap(demand, *kv)
     if kvc is not None:
         kvc = graph_floor(fit, demand, kvc)
@@ -166,6 +167,13 @@ def plan(
     t = tpot_upper(fit, n, demand) or tpot_mean(fit, n, demand)
     capacity = n / (max(demand.output_mean, 1.0) * t) if t > 0 else 0.0
     binding = "the KV cache" if kvc is not None and kvc < lat else "the TPOT target"
+    reach = math.floor(fit.max_batch)
+    if binding == "the TPOT target" and lat == uncapped == reach < min(
+        bounds.max, budget or reach + 1
+    ):
+        # Not the target: the model stops at twice the largest batch it has seen (a kind
+        # run's status said "the TPOT target binds" at a 30 s target, 75 ms steps).
+        binding = "the model's reach (twice the largest batch seen)"
     if n == bounds.max and lat >= bounds.max and (kvc is None or kvc >= bounds.max):
         binding = "tuning.maxNumSeqs.max"
     why = (
@@ -173,7 +181,7 @@ def plan(
         f"(upper {t * 1000:.1f} ms against the {target * 1000:.0f} ms TPOT target), "
         f"latency cap {lat}, KV cap {kvc if kvc is not None else 'unknown'}: {binding} binds"
     )
-    return Plan(n, lat, kvc, t, capacity, why, math.floor(fit.max_batch))
+    return Plan(n, lat, kvc, t, capacity, why, reach)
 
 
 def planned_move(p: Plan, fit: Fit, demand: Demand, target: float, current: int) -> int | None:

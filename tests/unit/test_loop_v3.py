@@ -401,6 +401,10 @@ def test_the_kv_cap_is_the_blocks_over_a_sequence_halfway_through_its_output():
     p = plan(fitted(), DEMAND, TARGET, BOUNDS, 8, None, (None, None))
     assert p.max_num_seqs == p.latency_cap and "the TPOT target binds" in p.why
     assert p.capacity > 0 and p.to_status()["maxNumSeqs"] == p.max_num_seqs
+    # A target every batch meets: the cap is the model's reach, and the why says so.
+    p = plan(fitted(), DEMAND, 10.0, BOUNDS, 8, None, (None, None))
+    assert p.max_num_seqs == p.reach == 32 and "the model's reach" in p.why
+    assert "the TPOT target binds" not in p.why
 
 
 def test_a_planned_raise_needs_a_quarter_more():
