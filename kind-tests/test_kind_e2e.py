@@ -44,12 +44,13 @@ from tests.support.kind import (
     Kind,
     cpu_sample,
     free_port,
-    is_ready,
     patch_spec,
     rollout_done,
     teardown,
     wait_ready,
 )
+from tests.support.kind_tuning import node_port as support_node_port
+from tests.support.kind_tuning import pod_max_num_seqs
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.kind
@@ -148,20 +149,8 @@ def closed_loop_wired() -> bool:
 def node_port(kind: Kind, namespace: str, ready_service) -> str:
     """A NodePort onto the server pods (the test's own Service): load reaches every ready
     replica through kube-proxy, as in-cluster clients would, across rolling updates."""
-    kind.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": {"name": f"{SERVICE}-e2e-load", "namespace": namespace},
-            "spec": {
-                "type": "NodePort",
-                "selector": {"batchpilot.dev/service": SERVICE},
-                "ports": [{"port": SERVER_PORT, "targetPort": "http", "protocol": "TCP"}],
-            },
-        }
-    )
-    svc = kind.get("service", f"{SERVICE}-e2e-load", "-n", namespace)
-    return f"http://{kind.node_ip}:{svc['spec']['ports'][0]['nodePort']}"
+    selector = {"batchpilot.dev/service": SERVICE}
+    return support_node_port(kind, namespace, f"{SERVICE}-e2e-load", selector)
 
 
 def bench(url: str, out: Path, *args: str) -> subprocess.Popen:
@@ -171,28 +160,6 @@ def bench(url: str, out: Path, *args: str) -> subprocess.Popen:
          "--result-dir", str(out.parent), "--result-filename", out.name, "--seed", "1", *args],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-
-
-def pod_max_num_seqs(kind: Kind, namespace: str) -> dict[str, float]:
-    """batchpilot:max_num_seqs as each running server pod reports it on /metrics."""
-    pods = kind.get("pods", "-n", namespace, "-l", f"batchpilot.dev/service={SERVICE}")
-    values = {}
-    probe = (
-        "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/metrics', "
-        "timeout=10).read().decode())"
-    )
-    for pod in pods["items"]:
-        if pod["metadata"].get("deletionTimestamp") or not is_ready(pod):
-            continue
-        name = pod["metadata"]["name"]
-        try:
-            out = kind.kubectl("exec", "-n", namespace, name, "--", "python3", "-c", probe).stdout
-        except AssertionError:
-            return {}  # a pod going away or busy: ask again
-        for line in out.splitlines():
-            if line.startswith("batchpilot:max_num_seqs"):
-                values[name] = float(line.rsplit(" ", 1)[1])
-    return values
 
 
 def test_closed_loop_scales_on_queue_and_tunes_the_pods(

@@ -22,11 +22,8 @@ here (docs/tuning.md says what evidence covers it).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,18 +31,25 @@ import pytest
 
 from batchpilot.operator.loop.model_state import SETTLE_SECONDS
 from tests.support.kind import (
-    PLURAL,
     POLL,
-    REPO,
-    SERVER_PORT,
     SERVICE,
     Kind,
     cpu_sample,
-    is_ready,
     patch_spec,
     teardown,
     wait_ready,
 )
+from tests.support.kind_tuning import (
+    answers,
+    dump,
+    events,
+    load_logs,
+    pod_max_num_seqs,
+    stop_load,
+    tuning_status,
+)
+from tests.support.kind_tuning import node_port as support_node_port
+from tests.support.kind_tuning import start_load as start_tuning_load
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.kind
@@ -89,93 +93,8 @@ def ready_service(kind: Kind, namespace: str, operator, report) -> Iterator[dict
 @pytest.fixture(scope="module")
 def node_port(kind: Kind, namespace: str, ready_service) -> str:
     """A NodePort onto the server pod (the test's own Service), as test_kind_e2e.py."""
-    name = f"{SERVICE}-tuning-load"
-    kind.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": {"name": name, "namespace": namespace},
-            "spec": {
-                "type": "NodePort",
-                "selector": {"batchpilot.dev/service": SERVICE},
-                "ports": [{"port": SERVER_PORT, "targetPort": "http", "protocol": "TCP"}],
-            },
-        }
-    )
-    svc = kind.get("service", name, "-n", namespace)
-    return f"http://{kind.node_ip}:{svc['spec']['ports'][0]['nodePort']}"
-
-
-def bench(url: str, out: Path, *args: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-    # The load's own output goes to a file beside its result: when no verdict comes, its tail
-    # says whether the load ran (a CI run once saw 0 ITL observations for 10 minutes).
-    with open(out.with_suffix(".log"), "w") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "batchpilot", "bench", "serve", "--url", url,
-             "--result-dir", str(out.parent), "--result-filename", out.name, "--seed", "1",
-             *args],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-
-
-def answers(url: str) -> bool:
-    """Whether the server behind ``url`` answers /health (no proxy, like the load)."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(f"{url}/health", timeout=5) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def load_logs(tmp_path: Path) -> str:
-    """The last lines of every load generator's output."""
-    return "\n".join(
-        f"--- {log.name}:\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-        for log in sorted(tmp_path.glob("load-*.log"))
-    )
-
-
-def tuning_status(kind: Kind, namespace: str) -> dict:
-    return (kind.get(PLURAL, SERVICE, "-n", namespace).get("status") or {}).get("tuning") or {}
-
-
-def dump(tuning: dict) -> str:
-    return "status.tuning:\n" + json.dumps(tuning, indent=1, sort_keys=True)
-
-
-def pod_max_num_seqs(kind: Kind, namespace: str) -> dict[str, float]:
-    """batchpilot:max_num_seqs as each Ready server pod reports it on /metrics."""
-    pods = kind.get("pods", "-n", namespace, "-l", f"batchpilot.dev/service={SERVICE}")
-    probe = (
-        "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/metrics', "
-        "timeout=10).read().decode())"
-    )
-    values = {}
-    for pod in pods["items"]:
-        if pod["metadata"].get("deletionTimestamp") or not is_ready(pod):
-            continue
-        name = pod["metadata"]["name"]
-        try:
-            out = kind.kubectl("exec", "-n", namespace, name, "--", "python3", "-c", probe).stdout
-        except AssertionError:
-            return {}  # a pod going away or too busy to answer: ask again
-        for line in out.splitlines():
-            if line.startswith("batchpilot:max_num_seqs"):
-                values[name] = float(line.rsplit(" ", 1)[1])
-    return values
-
-
-def events(kind: Kind, namespace: str, reason: str) -> list[dict]:
-    items = kind.get("events", "-n", namespace)["items"]
-    return [
-        e
-        for e in items
-        if e.get("reason") == reason
-        and e["involvedObject"].get("kind") == "InferenceService"
-        and e["involvedObject"].get("name") == SERVICE
-    ]
+    selector = {"batchpilot.dev/service": SERVICE}
+    return support_node_port(kind, namespace, f"{SERVICE}-tuning-load", selector)
 
 
 def model_step(kind: Kind, namespace: str) -> dict:
@@ -246,19 +165,8 @@ def test_guardrails_raise_on_a_queue_and_lower_on_a_missed_tpot_on_real_pods(
 
 
 def start_load(url: str, tmp_path: Path, streams: int, output: int) -> subprocess.Popen:
-    """``streams`` closed-loop clients for as long as the load runs (far more prompts than
-    the test needs; it is stopped at the end), each answer ``output`` tokens."""
-    return bench(url, tmp_path / f"load-{streams}-{output}.json", "--num-prompts", "20000",
-                 "--request-rate", "inf", "--max-concurrency", str(streams),
-                 "--output-lens", str(output), "--prompt-repeats", str(PROMPT_REPEATS))  # fmt: skip
-
-
-def stop_load(load: subprocess.Popen) -> None:
-    load.terminate()
-    try:
-        load.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        load.kill()
+    return start_tuning_load(url, tmp_path / f"load-{streams}-{output}.json", output,
+                             PROMPT_REPEATS, streams=streams)  # fmt: skip
 
 
 def _raised_then_lowered(kind: Kind, namespace: str, url: str, tmp_path: Path, loads: list,

@@ -214,18 +214,19 @@ def is_ready(obj: dict) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
-def wait_ready(kind: Kind, namespace: str, report, replicas: int = 0, exact: bool = False) -> dict:
-    """The InferenceService SERVICE once Ready, with at least (or, if exact, exactly)
+def wait_ready(kind: Kind, namespace: str, report, replicas: int = 0, exact: bool = False,
+               name: str = SERVICE) -> dict:  # fmt: skip
+    """The InferenceService ``name`` once Ready, with at least (or, if exact, exactly)
     `replicas` Ready replicas; report (the fixture: fail with diagnostics) if it is not
     within READY_TIMEOUT."""
 
     def ready() -> dict | None:
-        obj = kind.get(PLURAL, SERVICE, "-n", namespace)
+        obj = kind.get(PLURAL, name, "-n", namespace)
         count = (obj.get("status", {}).get("readyReplicas") or 0) if obj else 0
         enough = count == replicas if exact else count >= replicas
         return obj if obj and is_ready(obj) and enough else None
 
-    what = "the InferenceService to become Ready"
+    what = f"the InferenceService {name} to become Ready"
     try:
         return wait_for(
             what + (f" with {replicas} replicas" if replicas else ""),
@@ -238,12 +239,12 @@ def wait_ready(kind: Kind, namespace: str, report, replicas: int = 0, exact: boo
         raise  # not reached: report fails the test
 
 
-def teardown(kind: Kind, namespace: str, service: str = SERVICE) -> None:
+def teardown(kind: Kind, namespace: str) -> None:
     """Delete the CRs, then helm uninstall; nothing of batchpilot may remain."""
     kind.kubectl("delete", PLURAL, "--all", "-n", namespace, "--wait=true", timeout=300)
-    selector = f"batchpilot.dev/service={service}"
+    selector = "batchpilot.dev/service"  # every InferenceService's
     wait_for(
-        "the InferenceService's children to be garbage-collected",
+        "the InferenceServices' children to be garbage-collected",
         lambda: not kind.kubectl(
             "get", "deployments,services,pdb,secrets,pods", "-n", namespace, "-l", selector,
             "-o", "name",
