@@ -10,10 +10,8 @@ at the planner's 85 %). Poisson arrivals at RATE a second on each pod, each pod 
 own NodePort so that both arms get the same load. Once the model has learned, its plan is
 a KV lower (16 is more than the cache holds): planned, tried on a canary.
 
-The load is open, well under a replica's capacity: a closed loop's arrivals are as fast as
-the replica serves them, and once the model's capacity at its plan (the reach of a model
-that has seen batches of 1, upper bounds) came out under them, which refuses the lower
-(planner.planned_move: never to a plan that completes fewer requests than arrive).
+The load is open, well under a replica's capacity, so that both arms get the same arrivals
+however fast each serves them (a closed loop would send a slowed canary fewer requests).
 
 (a) kept: nothing else differs, so the canary's SLO attainment is no worse than the
     control's (non-inferiority at 5 %) and its steps no slower; the lower rolls out.

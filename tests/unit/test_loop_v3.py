@@ -437,6 +437,23 @@ def test_a_planned_lower_needs_the_lower_bound_at_todays_setting_to_miss():
     assert planned_move(p, fit, busy, 0.06, 32) is None
 
 
+def test_a_kv_lower_past_a_plan_held_to_the_models_reach_goes_ahead_on_any_arrivals():
+    # Batches of 1 and 2 seen: the plan stops at 4 whatever the target, and the arrivals
+    # are over its capacity (the upper bound's). The KV cache holds 10 of today's 16.
+    fit = fitted(batches=(1, 2))
+    p = plan(fit, DEMAND, 10.0, BOUNDS, 16, None, (None, None))
+    assert p.max_num_seqs == p.reach == 4
+    busy = replace(DEMAND, rate=1.5 * p.capacity)
+    assert planned_move(replace(p, kv_cap=10), fit, busy, 10.0, 16) == 10
+    # Not where the KV cap is within the hysteresis of today's setting ...
+    assert planned_move(replace(p, kv_cap=13), fit, busy, 10.0, 16) is None
+    # ... nor where the plan is held by the target or the KV cache, not the reach: a plan
+    # that cannot keep up with the arrivals is a queue.
+    assert planned_move(replace(p, kv_cap=4), fit, busy, 10.0, 16) is None
+    target = replace(p, max_num_seqs=3, latency_cap=3, kv_cap=10)
+    assert planned_move(target, fit, busy, 10.0, 16) is None
+
+
 def test_a_flat_fit_plans_no_lower_for_latency():
     # Every batch stepped in 97 ms (a busy machine): a 1 ms target is missed at any batch,
     # and fewer slots would not be faster, so no lower is planned (the guardrail's case is
