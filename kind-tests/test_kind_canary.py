@@ -26,9 +26,11 @@ second planned change within a CI run.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -112,6 +114,28 @@ def pod_urls(kind: Kind, namespace: str, name: str, report) -> dict[str, str]:
     return urls
 
 
+@contextmanager
+def loaded(kind: Kind, namespace: str, name: str, tmp_path: Path, report) -> Iterator[dict]:
+    """Poisson arrivals at RATE on each pod of ``name`` while the block runs; yields the
+    pods' URLs by pod name."""
+    urls = pod_urls(kind, namespace, name, report)
+    loads = [
+        start_load(url, tmp_path / f"load-{pod}.json", OUTPUT, PROMPT_REPEATS, rate=RATE)
+        for pod, url in urls.items()
+    ]
+    try:
+        yield urls
+    finally:
+        for load in loads:
+            stop_load(load)
+
+
+def wait_events(kind: Kind, namespace: str, name: str, *reasons: str) -> None:
+    for reason in reasons:
+        wait_for(f"the {reason} Event", lambda r=reason: events(kind, namespace, r, name), 120,
+                 interval=POLL)  # fmt: skip
+
+
 def canary_pod(kind: Kind, namespace: str, name: str, url: str) -> str:
     """The pod whose IP the canary's URL names."""
     ip = urlsplit(url).hostname
@@ -188,29 +212,19 @@ def test_a_planned_lower_on_a_canary_is_kept_and_rolled_out(
     kind, namespace, services, tmp_path, report
 ):
     started = time.monotonic()
-    urls = pod_urls(kind, namespace, KEEP, report)
-    loads = [
-        start_load(url, tmp_path / f"load-{pod}.json", OUTPUT, PROMPT_REPEATS, rate=RATE)
-        for pod, url in urls.items()
-    ]
-    try:
+    with loaded(kind, namespace, KEEP, tmp_path, report) as urls:
         tried, experiment = trial(kind, namespace, KEEP, tmp_path, report)
         lowered = experiment["to"]["maxNumSeqs"]
         canary = canary_pod(kind, namespace, KEEP, experiment["canary"])
         control = next(p for p in urls if p != canary)
         wait_pods_run(kind, namespace, KEEP, {canary: lowered, control: START_MNS}, report)
         kept = verdict(kind, namespace, KEEP, "rollout", tried["time"], tmp_path, report)
-    finally:
-        for load in loads:
-            stop_load(load)
     tuning = tuning_status(kind, namespace, KEEP)
     assert kept["kind"] == "lower" and kept["reason"].startswith("kept lower: "), dump(tuning)
     assert "no worse than 5%" in kept["reason"], dump(tuning)
     assert tuning["maxNumSeqs"] == kept["maxNumSeqs"] == lowered, dump(tuning)
     wait_pods_run(kind, namespace, KEEP, dict.fromkeys(urls, lowered), report)
-    for reason in ("TuningTrial", "TuningKept"):
-        wait_for(f"the {reason} Event", lambda r=reason: events(kind, namespace, r, KEEP), 120,
-                 interval=POLL)  # fmt: skip
+    wait_events(kind, namespace, KEEP, "TuningTrial", "TuningKept")
     print(f"canary kept: {time.monotonic() - started:.0f} s")
 
 
@@ -218,25 +232,19 @@ def test_a_planned_lower_that_slows_its_canary_is_reverted(
     kind, namespace, services, tmp_path, report
 ):
     started = time.monotonic()
-    urls = pod_urls(kind, namespace, REVERT, report)
-    loads = [
-        start_load(url, tmp_path / f"load-{pod}.json", OUTPUT, PROMPT_REPEATS, rate=RATE)
-        for pod, url in urls.items()
-    ]
     hogs: list[subprocess.Popen] = []
-    try:
-        tried, experiment = trial(kind, namespace, REVERT, tmp_path, report)
-        canary = canary_pod(kind, namespace, REVERT, experiment["canary"])
-        # Busy loops in the canary's own container (its cgroup): they end by themselves, so
-        # none outlives the test if kubectl exec is cut.
-        hog = f"import time\nend = time.time() + {HOG_SECONDS}\nwhile time.time() < end: pass"
-        hogs = [kind_exec(kind, namespace, canary, hog) for _ in range(HOGS)]
-        reverted = verdict(kind, namespace, REVERT, "revert", tried["time"], tmp_path, report)
-    finally:
-        for load in loads:
-            stop_load(load)
-        for p in hogs:
-            p.kill()
+    with loaded(kind, namespace, REVERT, tmp_path, report) as urls:
+        try:
+            tried, experiment = trial(kind, namespace, REVERT, tmp_path, report)
+            canary = canary_pod(kind, namespace, REVERT, experiment["canary"])
+            # Busy loops in the canary's own container (its cgroup): they end by themselves,
+            # so none outlives the test if kubectl exec is cut.
+            hog = f"import time\nend = time.time() + {HOG_SECONDS}\nwhile time.time() < end: pass"
+            hogs = [kind_exec(kind, namespace, canary, hog) for _ in range(HOGS)]
+            reverted = verdict(kind, namespace, REVERT, "revert", tried["time"], tmp_path, report)
+        finally:
+            for p in hogs:
+                p.kill()
     tuning = tuning_status(kind, namespace, REVERT)
     assert reverted["kind"] == "lower", dump(tuning)
     assert reverted["reason"].startswith("reverted lower: step time at matched batch sizes"), dump(
@@ -244,9 +252,7 @@ def test_a_planned_lower_that_slows_its_canary_is_reverted(
     )
     assert tuning["maxNumSeqs"] == reverted["maxNumSeqs"] == START_MNS, dump(tuning)
     wait_pods_run(kind, namespace, REVERT, dict.fromkeys(urls, START_MNS), report)
-    for reason in ("TuningTrial", "TuningReverted"):
-        wait_for(f"the {reason} Event", lambda r=reason: events(kind, namespace, r, REVERT), 120,
-                 interval=POLL)  # fmt: skip
+    wait_events(kind, namespace, REVERT, "TuningTrial", "TuningReverted")
     print(f"canary reverted: {time.monotonic() - started:.0f} s")
 
 
@@ -254,5 +260,7 @@ def kind_exec(kind: Kind, namespace: str, pod: str, code: str) -> subprocess.Pop
     """``python3 -c code`` in the pod's server container, in the background."""
     return subprocess.Popen(
         ["kubectl", "exec", "-n", namespace, pod, "--", "python3", "-c", code],
-        env={**kind.env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        # The whole environment, as tests.support.kind.run gives it: without HOME, kubectl
+        # writes its discovery cache into the working directory (the repository).
+        env={**os.environ, **kind.env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip

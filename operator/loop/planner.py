@@ -168,9 +168,8 @@ def plan(
     capacity = n / (max(demand.output_mean, 1.0) * t) if t > 0 else 0.0
     binding = "the KV cache" if kvc is not None and kvc < lat else "the TPOT target"
     reach = math.floor(fit.max_batch)
-    if binding == "the TPOT target" and lat == uncapped == reach < min(
-        bounds.max, budget or reach + 1
-    ):
+    below_bounds = reach < bounds.max and (budget is None or reach < budget)
+    if binding == "the TPOT target" and lat == uncapped == reach and below_bounds:
         # Not the target: the model stops at twice the largest batch it has seen (a kind
         # run's status said "the TPOT target binds" at a 30 s target, 75 ms steps).
         binding = "the model's reach (twice the largest batch seen)"
