@@ -315,6 +315,19 @@ def test_a_queue_raise_stops_at_the_kv_peak_the_spec_maximum_and_the_step_budget
     )  # fmt: skip
 
 
+def test_with_the_models_kv_cap_a_full_kv_cache_does_not_stop_a_queue_raise():
+    # A KV-bound replica: every slot of 8 busy and the cache at 90 % at its peak. The peak
+    # alone would stop the raise at 8 x 0.85 / 0.9 = 7; the model's KV cap (the blocks over
+    # a sequence's mean occupancy) is what the scheduler admits to, and the raise goes there.
+    model = replace(ready_model(), queue=(3, 3))
+    w = busy(kv=0.9, kv_peak=0.9)
+    p = plan(model.fit(), model.demand, 0.1, Bounds(2, 64), 8, None, (None, None))
+    assert guard.queue(w, {R0: w}, AT8, TUNE, model, p, LIMITS) is None  # the peak binds
+    kv = replace(p, max_num_seqs=12, kv_cap=12)
+    got = guard.queue(w, {R0: w}, AT8, TUNE, model, kv, LIMITS)
+    assert (got.kind, got.settings.max_num_seqs) == ("raise", 12), got
+
+
 def test_before_the_model_a_deep_queue_gets_room_for_all_of_it_at_once():
     # 8 running and 20 waiting: 28 slots in one move, not 16 now and 32 a turn later.
     assert guarded(busy(waiting=20)) == ("raise", EngineSettings(28))
