@@ -537,6 +537,29 @@ def test_a_lower_for_latency_tries_a_smaller_step_budget_before_fewer_slots():
     assert c.reason.endswith(f"(before max_num_seqs 64 -> {lower})"), c.reason
 
 
+def test_a_latency_cap_the_planner_is_not_sure_of_still_tries_a_smaller_budget():
+    # At a 30 ms target the model's lower bound on a full batch of 64 (29.6 ms) meets it,
+    # so the planner does not lower to its latency cap of 19; the steps are long all the
+    # same, and the twin's mean model prefers 512-token chunks: that tested trial is made.
+    spec = parse_spec(
+        {
+            "engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 2048},
+            "slo": {"interTokenLatencySeconds": 0.03, "timeToFirstTokenSeconds": 1.0},
+            "tuning": {"enabled": True, "maxNumSeqs": {"min": 4, "max": 64},
+                       "maxNumBatchedTokens": {"min": 512, "max": 2048}},
+        }
+    )  # fmt: skip
+    model = ready_model(batches=(1, 2, 4, 8, 16, 32), beta=GPU_BETA, demand=LONG_PROMPTS)
+    state = TunerState(settings=EngineSettings(64, max_num_batched_tokens=2048), model=model)
+    w = replica(running=64, max_num_seqs=64, budget=2048)
+    p = tune._plan(state, spec, state.settings, w)
+    assert p.latency_cap == 19
+    assert planned_move(p, model.fit(), model.per_replica(), 0.03, 64) is None
+    c, _ = tune._candidate(p, state, spec, state.settings, View(w, {"r0": w}, w), TuneLimits())
+    assert (c.kind, c.settings) == ("lower_budget", EngineSettings(64, max_num_batched_tokens=512))
+    assert c.reason.endswith("(before max_num_seqs 64 -> 19)"), c.reason
+
+
 def test_a_lower_for_the_kv_cache_is_not_traded_for_a_smaller_budget():
     # 1,500-token prompts in 850 blocks of 16: the KV cache holds 8 of them, not 64.
     lower, c = long_prompt_candidate(kv_blocks=850)
