@@ -508,14 +508,20 @@ def test_the_model_adds_replicas_only_on_a_capacity_at_batches_it_has_seen():
 LONG_PROMPTS = replace(DEMAND, rate=10.0, prompt_mean=1500.0, output_mean=20.0,
                        prompt_p95=3000.0, output_p95=40.0)  # fmt: skip
 GPU_BETA = (0.0065, 0.00003, 0.00005, 0.0035)
-CHUNKED_SPEC = parse_spec(
-    {
-        "engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 2048},
-        "slo": {"interTokenLatencySeconds": 0.025, "timeToFirstTokenSeconds": 1.0},
-        "tuning": {"enabled": True, "maxNumSeqs": {"min": 4, "max": 64},
-                   "maxNumBatchedTokens": {"min": 512, "max": 2048}},
-    }
-)  # fmt: skip
+
+
+def chunked_spec(itl_target: float):
+    return parse_spec(
+        {
+            "engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 2048},
+            "slo": {"interTokenLatencySeconds": itl_target, "timeToFirstTokenSeconds": 1.0},
+            "tuning": {"enabled": True, "maxNumSeqs": {"min": 4, "max": 64},
+                       "maxNumBatchedTokens": {"min": 512, "max": 2048}},
+        }
+    )  # fmt: skip
+
+
+CHUNKED_SPEC = chunked_spec(0.025)
 
 
 def long_prompt_candidate(kv_blocks: int | None = None):
@@ -541,14 +547,7 @@ def test_a_latency_cap_the_planner_is_not_sure_of_still_tries_a_smaller_budget()
     # At a 30 ms target the model's lower bound on a full batch of 64 (29.6 ms) meets it,
     # so the planner does not lower to its latency cap of 19; the steps are long all the
     # same, and the twin's mean model prefers 512-token chunks: that tested trial is made.
-    spec = parse_spec(
-        {
-            "engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 2048},
-            "slo": {"interTokenLatencySeconds": 0.03, "timeToFirstTokenSeconds": 1.0},
-            "tuning": {"enabled": True, "maxNumSeqs": {"min": 4, "max": 64},
-                       "maxNumBatchedTokens": {"min": 512, "max": 2048}},
-        }
-    )  # fmt: skip
+    spec = chunked_spec(0.03)
     model = ready_model(batches=(1, 2, 4, 8, 16, 32), beta=GPU_BETA, demand=LONG_PROMPTS)
     state = TunerState(settings=EngineSettings(64, max_num_batched_tokens=2048), model=model)
     w = replica(running=64, max_num_seqs=64, budget=2048)
