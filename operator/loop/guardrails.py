@@ -16,15 +16,18 @@
   it). Where clients give up before their TTFT target the queue stays young, and a batch
   past the plan would only cost its own requests' TPOT. A raise made on a queue is undone
   only by the thrash or latency guardrail, never by a goodput window. The queue is the
-  last turn's, so a long quiet spell does not average it away.
+  last turn's, so a long quiet spell does not average it away. On a plant the model
+  found slower (PlantDegraded) the plan is the old machine's: the raise makes room for
+  steps that many times as long, bounded by the KV cap, once per episode (tune.py).
 - KV thrash (preemptions or swaps per 1,000 generated tokens over a bound, worst replica):
   fp8 when allowed, else lower to the count the KV cache holds (the model's KV cap, else
   the window's peak), at most halving.
 - Latency: fewer than ``latency_attainment`` of the window's requests met the TPOT target,
   and the model attributes it to the batch (its mean step at the running batch misses the
   target, and at the latency cap its TPOT is at least the planner's MIN_RELIEF less), on a
-  healthy plant with no backlog and no growing queue (a backlog drains slower after a
-  lower): lower to the latency cap, at most halving. A young queue does not hold it: the
+  healthy plant with no backlog, no growing queue and no queue draining (a backlog
+  drains slower after a lower, and while it drains the batch is its, not the demand's):
+  lower to the latency cap, at most halving. A young queue does not hold it: the
   queue guardrail raises no further than the plan the lower leads to. Not while an
   overload raise binds (``overload_after``): the raise past the plan is remembered, and
   the lower waits until the overload has been gone (the arrival rate within the plan's
@@ -143,14 +146,32 @@ def backlog(w: Window, spec: InferenceServiceSpec, limits: TuneLimits) -> bool:
     return w.oldest_waiting_seconds > limits.backlog_ttft_factor * spec.ttft_target_seconds
 
 
+def draining(w: Window, model: ModelState, limits: TuneLimits) -> bool:
+    """The window's queue is draining: it queued on average, and the latest turn queues
+    less. Its requests ran in a batch the backlog filled, past the one the demand keeps
+    running, so their TPOTs are the drain's, not the setting's (W7 on the CPU: 64 -> 32
+    -> 23 once a neighbour's backlog drained, and back to 64 when the next one came)."""
+    queued = w.per_replica(w.waiting)
+    return queued >= limits.min_waiting and bool(model.queue) and model.queue[-1] < queued
+
+
 def safe_cap(w: Window, s: EngineSettings, spec: InferenceServiceSpec, plan: Plan | None,
-             limits: TuneLimits, overload: bool = False) -> int:  # fmt: skip
-    """The highest max_num_seqs the loop may raise to at once."""
+             limits: TuneLimits, overload: bool = False, slower: float = 1.0) -> int:  # fmt: skip
+    """The highest max_num_seqs the loop may raise to at once. ``slower``: a degraded
+    plant's step over the model's (ModelState.slower)."""
     running = w.per_replica(w.running)
     # Room for the whole queue at once, at least twice today's: a second raise would come
     # a turn and a longer queue later.
     room = max(2 * s.max_num_seqs, math.ceil(running + w.per_replica(w.waiting)))
-    if plan is None:
+    if slower > 1:
+        # The plan and its reach are the old machine's. As many sequences as keep the
+        # tokens a second where steps take ``slower`` times as long, in one raise: the
+        # queue a neighbour builds grows at any batch, and each doubling that chased it
+        # was another change inside the incident (W7 from under: 16 -> 32 -> 64 in 30 s).
+        cap = max(room, math.ceil(s.max_num_seqs * slower))
+        if plan is not None and plan.kv_cap is not None:
+            cap = min(cap, plan.kv_cap)
+    elif plan is None:
         cap = room
     elif overload:  # within the model's reach: past it a mismatched plant may slow down
         cap = min(room if plan.kv_cap is None else plan.kv_cap, max(plan.reach, plan.max_num_seqs))
@@ -168,7 +189,7 @@ def safe_cap(w: Window, s: EngineSettings, spec: InferenceServiceSpec, plan: Pla
 
 def queue(
     w: Window, replicas: dict[str, Window], s: EngineSettings, spec: InferenceServiceSpec,
-    model: ModelState, plan: Plan | None, limits: TuneLimits,
+    model: ModelState, plan: Plan | None, limits: TuneLimits, now: float,
 ) -> Candidate | None:  # fmt: skip
     running, waiting = w.per_replica(w.running), w.per_replica(w.waiting)
     # Two turns in a row; or one, when the queue is already as deep as half the batch: then
@@ -184,11 +205,13 @@ def queue(
     # TTFT target, the queue stays young, and a batch past the latency cap would cost its
     # own requests' TPOT and gain nothing.
     overload = overloaded(s, model, plan) and backlog(w, spec, limits)
-    new = safe_cap(w, s, spec, plan, limits, overload)
+    slower = model.slower(now)
+    new = safe_cap(w, s, spec, plan, limits, overload, slower)
     if new <= s.max_num_seqs:
         return None
     source = (
-        "room for the queue (model not ready)" if plan is None
+        f"PlantDegraded: steps {slower:.1f}x the model's" if slower > 1
+        else "room for the queue (model not ready)" if plan is None
         else f"past the plan's {plan.max_num_seqs}: overloaded there" if overload
         else "the model's plan"
     )  # fmt: skip
@@ -196,7 +219,10 @@ def queue(
         f"queue: {waiting:.1f} waiting per replica with {running:.1f} of "
         f"{s.max_num_seqs} slots busy: max_num_seqs {s.max_num_seqs} -> {new} ({source})"
     )
-    past = plan.max_num_seqs if overload and plan is not None and new > plan.max_num_seqs else None
+    past = (
+        plan.max_num_seqs if overload and slower == 1 and plan is not None
+        and new > plan.max_num_seqs else None
+    )  # fmt: skip
     return Candidate("raise", replace(s, max_num_seqs=new), why, past_plan=past)
 
 
@@ -265,7 +291,7 @@ def latency(
         return None
     if model.degraded(now) or model.queue_growing():
         return None
-    if backlog(w, spec, limits):
+    if backlog(w, spec, limits) or draining(w, model, limits):
         return None  # a backlog drains slower after a lower: its TTFTs pay for the TPOTs
     demand = model.per_replica()
     running = w.per_replica(w.running)

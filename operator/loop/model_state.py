@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from batchpilot.operator.loop.changes import Cusum
 from batchpilot.operator.loop.demand import Demand
 from batchpilot.operator.loop.observe import Window
-from batchpilot.operator.loop.plant import Fit, StepModel, cell_observation
+from batchpilot.operator.loop.plant import MIN_CELL_STEPS, Fit, StepModel, cell_observation
 
 # The residual's detector: the relative gap between measured and predicted step time, per
 # turn. Tuned to see a sustained 25 % slowdown within about ten turns and a 4x neighbour at
@@ -35,7 +35,9 @@ class ModelState:
     residual: Cusum = field(default_factory=Cusum)
     epoch: int = 0
     degraded_until: float | None = None
+    degraded_since: float | None = None  # the first alarm of the degraded episode
     degraded_why: str = ""
+    degraded_gap: float = 0.0  # the last alarm's step time over the model's, less one
     planned: tuple[float, ...] = ()  # times of planned changes in the last hour
     queue: tuple[float, ...] = ()  # waiting per replica, the latest turns (newest last)
     observed_until: float | None = None
@@ -51,6 +53,10 @@ class ModelState:
 
     def degraded(self, now: float) -> bool:
         return self.degraded_until is not None and now < self.degraded_until
+
+    def slower(self, now: float) -> float:
+        """How many times the model's step a degraded plant's takes (1: not slower)."""
+        return 1 + self.degraded_gap if self.degraded(now) and self.degraded_gap > 0 else 1.0
 
     def queue_growing(self) -> bool:
         q = self.queue
@@ -78,8 +84,16 @@ class ModelState:
 
     def _residual(self, w: Window, now: float) -> ModelState:
         fit = self.step.fit()
-        observed = [o for o in map(cell_observation, w.steps) if o is not None]
-        if fit is None or not observed:
+        # The cells with MIN_CELL_STEPS each; where none has, every cell, however thin,
+        # when together they make one cell's worth. A machine 4x slower runs a quarter of
+        # the steps, spread over the batches its growing queue passes through: no cell
+        # reached MIN_CELL_STEPS for 105 s of a W7 neighbour, while the latency guardrail
+        # blamed the batch and lowered. Thin cells only then: beside thick ones they add
+        # noise (a false +33 % alarm on the KV-bound CPU plant).
+        observed = [o for o in map(cell_observation, w.steps) if o is not None] or [
+            o for c in w.steps if (o := cell_observation(c, min_steps=1)) is not None
+        ]
+        if fit is None or sum(n for _, _, n in observed) < MIN_CELL_STEPS:
             return self
         seconds = sum(y * n for _, y, n in observed)
         predicted = sum(fit.mean(x[1], x[2] * 1000, x[3] * 100) * n for x, _, n in observed)
@@ -96,7 +110,9 @@ class ModelState:
             step=self.step.forget(KEEP_AFTER_CHANGE),
             epoch=self.epoch + 1,
             degraded_until=now + SETTLE_SECONDS,
+            degraded_since=self.degraded_since if self.degraded(now) else now,
             degraded_why=why,
+            degraded_gap=gap,
             changes=(*self.changes, f"plant changed: {why}"),
         )
 
@@ -118,7 +134,9 @@ class ModelState:
             "observedUntil": self.observed_until,
             "replicas": self.replicas,
             "degradedUntil": self.degraded_until,
+            "degradedSince": self.degraded_since,
             "degradedReason": self.degraded_why or None,
+            "degradedGap": round(self.degraded_gap, 4),
         }
         if fit is not None:
             out["fit"] = fit.to_status()
@@ -132,7 +150,9 @@ class ModelState:
             residual=Cusum.from_status(d.get("residualCusum", (0, 0))),
             epoch=int(d.get("epoch", 0)),
             degraded_until=_maybe(d.get("degradedUntil")),
+            degraded_since=_maybe(d.get("degradedSince")),
             degraded_why=str(d.get("degradedReason") or ""),
+            degraded_gap=float(d.get("degradedGap") or 0.0),
             planned=tuple(float(t) for t in d.get("planned", ())),
             queue=tuple(float(q) for q in d.get("queue", ())),
             observed_until=_maybe(d.get("observedUntil")),

@@ -47,9 +47,11 @@ def features(decodes: float, context_tokens: float, prefill_tokens: float,
     return (1.0, batch, context_tokens / 1000.0, prefill_tokens / 100.0)
 
 
-def cell_observation(cell: StepCell) -> tuple[tuple[float, ...], float, float] | None:
+def cell_observation(
+    cell: StepCell, min_steps: float = MIN_CELL_STEPS
+) -> tuple[tuple[float, ...], float, float] | None:
     """(features, mean step seconds, weight) of one cell, None when too thin to count."""
-    if cell.steps < MIN_CELL_STEPS or cell.seconds <= 0:
+    if cell.steps < max(min_steps, 1) or cell.seconds <= 0:
         return None
     s = cell.steps
     x = features(cell.decode_sequences / s, cell.context_tokens / s, cell.prefill_tokens / s)

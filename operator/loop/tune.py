@@ -8,7 +8,7 @@ Each turn:
    machine changed (a machine change also starts a PlantDegraded freeze).
 2. A change on test (verify.py) gets its look: kept, reverted, or observed further.
 3. Guardrails (guardrails.py), applied at once: a persistent queue with every slot busy
-   raises to the safe cap; KV thrash switches to fp8 when allowed; a latency miss the model
+   raises to the safe cap (once per PlantDegraded episode); KV thrash switches to fp8 when allowed; a latency miss the model
    blames on the batch lowers, unless it would undo a raise made past the plan on an
    overload that has not been gone for ``overload_clear_seconds`` (the memory of that
    raise is ``TunerState.overload``). A thrash lower is applied at once to the model's KV
@@ -98,7 +98,7 @@ def decide_tuning(
     p = _plan(state, spec, settings, window) if ready else None  # the turn's one plan
     state = _overload_memory(view, spec, state, settings, p, now, limits)
     if state.experiment is not None:
-        if (c := _emergency(view, spec, state, settings, p, limits)) is not None:
+        if (c := _emergency(view, spec, state, settings, p, now, limits)) is not None:
             e = state.experiment
             c = replace(c, reason=f"{c.reason} (the test of {e.kind} was abandoned)")
             return _apply(replace(state, experiment=None), settings, spec, c, now, {})
@@ -109,7 +109,7 @@ def decide_tuning(
         # A queue with every slot busy needs no long look: its raise is the safe direction,
         # and each turn it waits adds to a backlog every later request pays for. (The plan
         # still bounds it: a window just after a change is short, not a model unready.)
-        if c := guard.queue(_recent(view), view.replicas, settings, spec, state.model, p, limits):
+        if c := _queue(view, view.replicas, settings, spec, state, p, now, limits):
             return _apply(state, settings, spec, c, now, {})
         return _hold(
             state, settings, f"observing: {window.span_seconds:.0f} s of metrics so far", now
@@ -127,7 +127,7 @@ def decide_tuning(
     latency, held = _latency(window, settings, spec, state, fit, p, now, limits)
     for c in (
         thrash,
-        guard.queue(_recent(view), replicas, settings, spec, m, p, limits),
+        _queue(view, replicas, settings, spec, state, p, now, limits),
         latency,
         guard.loras(window, settings, spec, limits),
     ):
@@ -191,7 +191,7 @@ def _recent(view: View) -> Window:
     return w if w is not None and w.replicas and w.span_seconds > 0 else view.service
 
 
-def _emergency(view: View, spec, state: TunerState, settings, p: Plan | None,
+def _emergency(view: View, spec, state: TunerState, settings, p: Plan | None, now: float,
                limits) -> Candidate | None:  # fmt: skip
     """A queue or thrash guardrail that will not wait for a test to end."""
     w = view.service
@@ -200,7 +200,26 @@ def _emergency(view: View, spec, state: TunerState, settings, p: Plan | None,
     thrash = guard.thrash(w, view.replicas, settings, spec, limits, p)
     if thrash is not None and thrash.kind == "fp8":
         return thrash
-    return guard.queue(_recent(view), view.replicas, settings, spec, state.model, p, limits)
+    return _queue(view, view.replicas, settings, spec, state, p, now, limits)
+
+
+def _queue(view: View, replicas, settings, spec, state: TunerState, p: Plan | None, now: float,
+           limits) -> Candidate | None:  # fmt: skip
+    """The queue guardrail, once per PlantDegraded episode: a slower machine builds a queue
+    at any batch, and each raise that chased it was another knob change inside the
+    incident (W7, from under: 16 -> 32 -> 64 within 30 s of a 4x neighbour). The freeze's
+    end, or a refit at the new speed, brings the next."""
+    m = state.model
+    if (
+        m.degraded(now)
+        and m.degraded_since is not None
+        and any(
+            d.action == "guard" and d.kind == "raise" and d.time >= m.degraded_since
+            for d in state.history
+        )
+    ):
+        return None
+    return guard.queue(_recent(view), replicas, settings, spec, m, p, limits, now)
 
 
 def _plan(state: TunerState, spec: InferenceServiceSpec, s: EngineSettings, w: Window) -> Plan:

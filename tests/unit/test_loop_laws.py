@@ -286,7 +286,7 @@ def test_a_queue_raise_goes_at_once_to_the_plans_cap_and_is_never_a_lower():
     w = busy(waiting=3)
     p = plan(model.fit(), model.demand, 0.1, Bounds(2, 64), 8, None, (None, None))
     assert p.max_num_seqs > 16  # more than doubling: one move, not x2 steps
-    got = guard.queue(w, {R0: w}, AT8, TUNE, replace(model, queue=(3, 3)), p, LIMITS)
+    got = guard.queue(w, {R0: w}, AT8, TUNE, replace(model, queue=(3, 3)), p, LIMITS, 1000.0)
     assert (got.kind, got.settings.max_num_seqs) == ("raise", p.max_num_seqs)
     assert "the model's plan" in got.reason
     # Through the tuner, the same.
@@ -294,7 +294,10 @@ def test_a_queue_raise_goes_at_once_to_the_plans_cap_and_is_never_a_lower():
     assert (kind, s.max_num_seqs) == ("raise", p.max_num_seqs)
     # A plan under today's setting: no move at all (the queue guardrail only raises).
     small = replace(p, max_num_seqs=4)
-    assert guard.queue(w, {R0: w}, AT8, TUNE, replace(model, queue=(3, 3)), small, LIMITS) is None
+    assert (
+        guard.queue(w, {R0: w}, AT8, TUNE, replace(model, queue=(3, 3)), small, LIMITS, 1000.0)
+        is None
+    )
 
 
 def test_a_queue_raise_stops_at_the_kv_peak_the_spec_maximum_and_the_step_budget():
@@ -322,9 +325,9 @@ def test_with_the_models_kv_cap_a_full_kv_cache_does_not_stop_a_queue_raise():
     model = replace(ready_model(), queue=(3, 3))
     w = busy(kv=0.9, kv_peak=0.9)
     p = plan(model.fit(), model.demand, 0.1, Bounds(2, 64), 8, None, (None, None))
-    assert guard.queue(w, {R0: w}, AT8, TUNE, model, p, LIMITS) is None  # the peak binds
+    assert guard.queue(w, {R0: w}, AT8, TUNE, model, p, LIMITS, 1000.0) is None  # the peak binds
     kv = replace(p, max_num_seqs=12, kv_cap=12)
-    got = guard.queue(w, {R0: w}, AT8, TUNE, model, kv, LIMITS)
+    got = guard.queue(w, {R0: w}, AT8, TUNE, model, kv, LIMITS, 1000.0)
     assert (got.kind, got.settings.max_num_seqs) == ("raise", 12), got
 
 
@@ -347,26 +350,29 @@ def test_overloaded_at_the_plan_the_queue_raises_past_it_to_the_kv_cap_within_re
     w = busy(running=p.max_num_seqs, max_num_seqs=p.max_num_seqs, waiting=p.max_num_seqs,
              oldest_waiting=4.0)  # fmt: skip
     calm = replace(model, queue=(3, 3))
-    assert guard.queue(w, {R0: w}, at_plan, TUNE, calm, p, LIMITS) is None  # not overloaded
+    assert guard.queue(w, {R0: w}, at_plan, TUNE, calm, p, LIMITS, 1000.0) is None  # not overloaded
     hot = replace(calm, demand=replace(model.demand, rate=2 * p.capacity))
-    got = guard.queue(w, {R0: w}, at_plan, TUNE, hot, p, LIMITS)
+    got = guard.queue(w, {R0: w}, at_plan, TUNE, hot, p, LIMITS, 1000.0)
     assert got.settings.max_num_seqs == 32 > p.max_num_seqs
     assert "overloaded" in got.reason
     # A young queue (clients that give up before the TTFT target keep it so): requests
     # admitted past the plan would miss their TPOT and none queued misses its TTFT.
     young = replace(w, oldest_waiting_seconds=2.9)
-    assert guard.queue(young, {R0: young}, at_plan, TUNE, hot, p, LIMITS) is None
+    assert guard.queue(young, {R0: young}, at_plan, TUNE, hot, p, LIMITS, 1000.0) is None
     # A small KV cache binds first.
     small = replace(p, kv_cap=p.max_num_seqs + 3)
-    got = guard.queue(w, {R0: w}, at_plan, TUNE, hot, small, LIMITS)
+    got = guard.queue(w, {R0: w}, at_plan, TUNE, hot, small, LIMITS, 1000.0)
     assert got.settings.max_num_seqs == p.max_num_seqs + 3
     # The same when the queue grows three turns running at the plan, whatever the rate says.
     growing = replace(calm, queue=(3, 5, 9))
-    assert guard.queue(w, {R0: w}, at_plan, TUNE, growing, p, LIMITS).settings.max_num_seqs == 32
+    assert (
+        guard.queue(w, {R0: w}, at_plan, TUNE, growing, p, LIMITS, 1000.0).settings.max_num_seqs
+        == 32
+    )
     # Below the plan a growing queue raises to the plan first.
     below = EngineSettings(p.max_num_seqs // 2)
     w = busy(running=below.max_num_seqs, max_num_seqs=below.max_num_seqs, waiting=3)
-    got = guard.queue(w, {R0: w}, below, TUNE, growing, p, LIMITS)
+    got = guard.queue(w, {R0: w}, below, TUNE, growing, p, LIMITS, 1000.0)
     assert got.settings.max_num_seqs == p.max_num_seqs
 
 
@@ -529,6 +535,53 @@ def test_no_latency_lower_into_a_backlog():
     # plan it leads to, and where clients give up before the TTFT target, the TPOTs of
     # the requests past the latency cap are what is lost.
     assert latency(w=replace(SLOW, waiting=1.0, oldest_waiting_seconds=1.0)).kind == "lower"
+
+
+def test_no_latency_lower_while_a_queue_drains():
+    # 10 queued on average over the window, 2 in the latest turn: the batch was the
+    # backlog's, past what the demand keeps running, and so were its requests' TPOTs.
+    young = replace(SLOW, waiting=10.0, oldest_waiting_seconds=1.0)
+    assert latency(w=young, model=replace(ready_model(), queue=(20.0, 9.0, 2.0))) is None
+    # A queue that holds as deep as the window's (clients that give up keep it young): lower.
+    assert latency(w=young, model=replace(ready_model(), queue=(9.0, 11.0, 10.0))).kind == "lower"
+
+
+def degraded_model(**kw) -> ModelState:
+    """Ready, with a queue two turns long, on a plant whose steps became 4x the model's at
+    900 s (frozen until 1,500 s)."""
+    return replace(ready_model(), queue=(3.0, 3.0), degraded_until=1500.0, degraded_since=900.0,
+                   degraded_why="step time above the model by +300%", degraded_gap=3.0, **kw)  # fmt: skip
+
+
+def test_on_a_degraded_plant_one_queue_raise_makes_room_for_its_slower_steps():
+    # Every slot of 8 busy on a machine 4x slower than the model: the plan and its reach
+    # are the old machine's, so the raise is as many slots as keep the tokens a second,
+    # 8 x 4, in one move rather than a doubling each turn.
+    m, w = degraded_model(), busy(waiting=3)
+    p = plan(m.fit(), m.demand, 0.1, Bounds(2, 64), 8, None, (None, None))
+    got = guard.queue(w, {R0: w}, AT8, TUNE, m, p, LIMITS, 1000.0)
+    assert (got.kind, got.settings.max_num_seqs) == ("raise", 32), got
+    assert "PlantDegraded: steps 4.0x the model's" in got.reason
+    # The KV cache is the same machine's: its cap still binds.
+    got = guard.queue(w, {R0: w}, AT8, TUNE, m, replace(p, kv_cap=20), LIMITS, 1000.0)
+    assert got.settings.max_num_seqs == 20
+    # After the freeze, the plan again.
+    assert guard.queue(w, {R0: w}, AT8, TUNE, m, p, LIMITS, 1500.0).settings.max_num_seqs == (
+        p.max_num_seqs
+    )
+
+
+def test_a_degraded_plant_gets_one_queue_raise_for_the_whole_episode():
+    at32 = EngineSettings(32)
+    w = busy(running=32, max_num_seqs=32, waiting=3)
+    raised = TuneDecision("guard", at32, "guardrail: queue", 950.0, "raise")
+    state = TunerState(settings=at32, model=degraded_model(), history=(raised,))
+    d, _ = decide(w, settings=at32, state=state)
+    assert d.action == "hold" and "PlantDegraded" in d.reason, d.reason
+    # A raise from before the episode does not count against it.
+    before = replace(raised, time=800.0)
+    d, _ = decide(w, settings=at32, state=replace(state, history=(before,)))
+    assert (d.action, d.kind) == ("guard", "raise") and d.settings.max_num_seqs == 64
 
 
 # --------------------------------------------------------------------------- the arbiter

@@ -342,6 +342,26 @@ def test_a_machine_that_slows_down_starts_a_degraded_freeze_and_a_new_epoch():
     assert m.to_status()["degradedReason"] == m.degraded_why
 
 
+def test_a_neighbour_whose_steps_spread_thin_over_the_batches_is_seen_at_once():
+    # A machine 4x slower runs a quarter of the steps, spread over the batches a growing
+    # queue passes through: no cell holds MIN_CELL_STEPS (20), but the window's steps
+    # together do, and the residual reads them as one.
+    m, now = ready_model(steps=1000.0), 600.0  # still ready with a tenth of it kept
+    thin = replace(replica(span=TURN), steps=step_cells(steps=5.0, scale=4.0))
+    assert len(thin.steps) * 5 >= 20 and all(c.steps < 20 for c in thin.steps)
+    m = m.ingest(thin, now)
+    assert m.degraded(now) and m.degraded_since == now
+    assert m.changes[0].startswith("plant changed: step time above the model")
+    assert m.slower(now) == pytest.approx(4.0, rel=0.05)
+    assert m.slower(now + SETTLE_SECONDS) == 1.0
+    # A second alarm inside the freeze keeps the episode's start.
+    m = m.ingest(replace(thin, steps=step_cells(steps=5.0, scale=16.0)), now + TURN)
+    assert m.degraded_since == now and m.degraded_until == now + TURN + SETTLE_SECONDS
+    # Too few steps in all to read: no alarm.
+    quiet = ready_model().ingest(replace(thin, steps=thin.steps[:3]), now)
+    assert not quiet.degraded(now)
+
+
 def test_the_queue_is_growing_only_after_three_rising_turns():
     assert not ModelState(queue=(1.0, 2.0)).queue_growing()
     assert ModelState(queue=(1.0, 2.0, 3.0)).queue_growing()
@@ -361,12 +381,15 @@ def test_the_model_state_round_trips_through_the_status():
         epoch=3,
         degraded_until=900.0,
         degraded_why="step time above the model by +40%",
+        degraded_since=850.0,
+        degraded_gap=0.4,
         planned=(10.0, 20.0),
         queue=(1.0, 2.5),
         observed_until=60.0,
     )
     back = ModelState.from_status(m.to_status())
     assert (back.epoch, back.degraded_until, back.degraded_why) == (3, 900.0, m.degraded_why)
+    assert (back.degraded_since, back.degraded_gap) == (850.0, 0.4)
     assert (back.planned, back.queue, back.observed_until) == ((10.0, 20.0), (1.0, 2.5), 60.0)
     assert back.residual == m.residual and back.demand.rate == DEMAND.rate
     assert back.fit().beta == pytest.approx(m.fit().beta, rel=1e-6)
