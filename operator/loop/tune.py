@@ -8,12 +8,13 @@ Each turn:
    machine changed (a machine change also starts a PlantDegraded freeze).
 2. A change on test (verify.py) gets its look: kept, reverted, or observed further.
 3. Guardrails (guardrails.py), applied at once: a persistent queue with every slot busy
-   raises to the safe cap (once per PlantDegraded episode); KV thrash switches to fp8 when allowed; a latency miss the model
-   blames on the batch lowers, unless it would undo a raise made past the plan on an
-   overload that has not been gone for ``overload_clear_seconds`` (the memory of that
-   raise is ``TunerState.overload``). A thrash lower is applied at once to the model's KV
-   cap; before the model knows it, it is tested at once instead (swaps can cost less than
-   the slots it gives up). Nothing else lowers capacity.
+   raises to the safe cap (once per PlantDegraded episode); KV thrash switches to fp8
+   when allowed; a latency miss the model blames on the batch lowers, unless it would
+   undo a raise made past the plan on an overload that has not been gone for
+   ``overload_clear_seconds`` (the memory of that raise is ``TunerState.overload``). A
+   thrash lower is applied at once to the model's KV cap; before the model knows it, it
+   is tested at once instead (swaps can cost less than the slots it gives up). Nothing
+   else lowers capacity.
 4. A planned change (planner.py), only when the model and demand are ready, on a new
    epoch or after ``replan_seconds``, outside a freeze (plant degraded, queue growing,
    a rollout under way), after ``dwell_seconds`` since any change, at most
