@@ -204,8 +204,8 @@ def queue(
     # Past the plan only where the queue is a backlog: where clients give up before their
     # TTFT target, the queue stays young, and a batch past the latency cap would cost its
     # own requests' TPOT and gain nothing.
-    overload = overloaded(s, model, plan) and backlog(w, spec, limits)
-    slower = model.slower(now)
+    slower = model.slower(now)  # on a degraded plant the plan is the old machine's
+    overload = slower == 1 and overloaded(s, model, plan) and backlog(w, spec, limits)
     new = safe_cap(w, s, spec, plan, limits, overload, slower)
     if new <= s.max_num_seqs:
         return None
@@ -219,10 +219,7 @@ def queue(
         f"queue: {waiting:.1f} waiting per replica with {running:.1f} of "
         f"{s.max_num_seqs} slots busy: max_num_seqs {s.max_num_seqs} -> {new} ({source})"
     )
-    past = (
-        plan.max_num_seqs if overload and slower == 1 and plan is not None
-        and new > plan.max_num_seqs else None
-    )  # fmt: skip
+    past = plan.max_num_seqs if overload and plan is not None and new > plan.max_num_seqs else None
     return Candidate("raise", replace(s, max_num_seqs=new), why, past_plan=past)
 
 
